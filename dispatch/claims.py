@@ -1,0 +1,136 @@
+"""The worker's database calls: claim, settle, heartbeat, recovery. Each is one round
+trip to a versioned SQL function (see `dispatch/sql/functions/dispatch_v1.sql` for its
+lock and transaction contract), on the calling thread's own connection, in autocommit.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import connection
+
+from dispatch.sqlfiles import query
+
+
+@dataclass(frozen=True)
+class ClaimedAttempt:
+    attempt_id: uuid.UUID
+    run_id: uuid.UUID
+    number: int
+    lease_token: int
+    lease_seconds: int
+    timeout_seconds: int | None
+    binding_id: uuid.UUID
+    source_spec: dict[str, Any]
+    sink_spec: dict[str, Any]
+    source_id: uuid.UUID
+    source_kind: str
+    source_version: int
+    source_snapshot: str
+    sink_id: uuid.UUID
+    sink_kind: str
+    sink_version: int
+    sink_snapshot: str
+    directed: bool
+
+    def __repr__(self) -> str:  # never print the ciphertexts
+        return f"ClaimedAttempt(run={self.run_id}, number={self.number}, token={self.lease_token})"
+
+
+@dataclass(frozen=True)
+class Recovered:
+    attempt_id: uuid.UUID
+    run_id: uuid.UUID
+    number: int
+    outcome: str
+
+
+def _json(value: Any) -> dict[str, Any]:
+    return json.loads(value) if isinstance(value, str) else (value or {})
+
+
+def claim(
+    worker_id: str, *, run_id: uuid.UUID | None = None, limit: int = 1, generic: bool = True
+) -> list[ClaimedAttempt]:
+    """Directed claim of `run_id` (if given) plus generic claims up to `limit`."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            query("claim"), {"worker": worker_id, "run": run_id, "limit": limit, "generic": generic}
+        )
+        rows = cursor.fetchall()
+    claimed = []
+    for row in rows:
+        fields = list(row)
+        fields[7] = _json(fields[7])
+        fields[8] = _json(fields[8])
+        claimed.append(ClaimedAttempt(*fields))
+    return claimed
+
+
+def settle(
+    attempt_id: uuid.UUID, token: int, outcome: str, *, reason: str | None = None,
+    error: str | None = None, rows_read: int | None = None, rows_written: int | None = None,
+) -> str | None:
+    """Record an attempt's outcome, guarded by status + token. None: the lease was lost."""
+    with connection.cursor() as cursor:
+        cursor.execute(query("settle"), {
+            "attempt": attempt_id, "token": token, "outcome": outcome, "reason": reason,
+            "error": error, "rows_read": rows_read, "rows_written": rows_written,
+        })
+        (status,) = cursor.fetchone()
+    return status
+
+
+@dataclass(frozen=True)
+class Beat:
+    attempt_id: uuid.UUID
+    cancel_requested: bool
+    lease_seconds: int
+
+
+def heartbeat(
+    worker_id: str, held: Sequence[tuple[uuid.UUID, int, int, int]], stats: dict[str, Any]
+) -> dict[uuid.UUID, Beat]:
+    """One statement for all held attempts: (attempt, token, rows_read, rows_written).
+    Returns the attempts that are still this worker's."""
+    with connection.cursor() as cursor:
+        cursor.execute(query("heartbeat"), {
+            "worker": worker_id,
+            "attempts": [h[0] for h in held],
+            "tokens": [h[1] for h in held],
+            "rows_read": [h[2] for h in held],
+            "rows_written": [h[3] for h in held],
+            "stats": json.dumps(stats),
+        })
+        return {row[0]: Beat(*row) for row in cursor.fetchall()}
+
+
+def recover(limit: int = 500) -> list[Recovered]:
+    """Settle expired leases until none is left (each call of the function settles at
+    most `limit` in one transaction)."""
+    settled: list[Recovered] = []
+    while True:
+        with connection.cursor() as cursor:
+            cursor.execute(query("recover"), {"limit": limit})
+            batch = [Recovered(*row) for row in cursor.fetchall()]
+        settled.extend(batch)
+        if len(batch) < limit:
+            return settled
+
+
+def refresh_blocked() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(query("refresh_blocked"))
+        return int(cursor.fetchone()[0])
+
+
+def next_available_in() -> float | None:
+    """Seconds until the earliest future PENDING attempt is due, by database time."""
+    with connection.cursor() as cursor:
+        cursor.execute(query("next_available_in"))
+        (seconds,) = cursor.fetchone()
+    return None if seconds is None else max(0.0, float(seconds))

@@ -1,0 +1,47 @@
+"""The app's settings, read lazily so that `override_settings` works in tests.
+
+Every tunable has a typed default here; only `project/settings.py` reads the
+environment.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+
+
+def encryption_keys() -> list[str]:
+    """Fernet keys, newest first (the first one encrypts, all of them decrypt)."""
+    keys = getattr(settings, "DISPATCH_ENCRYPTION_KEYS", [])
+    if isinstance(keys, str):
+        keys = [k for k in keys.split(",")]
+    return [k.strip() for k in keys if k.strip()]
+
+
+def channel() -> str:
+    """The LISTEN/NOTIFY channel that carries run ids."""
+    return str(getattr(settings, "DISPATCH_CHANNEL", "dispatch_runs"))
+
+
+def poll_interval() -> float:
+    """Seconds between generic claim passes when no notification arrives."""
+    return float(getattr(settings, "DISPATCH_POLL_INTERVAL", 2.0))
+
+
+def recovery_interval() -> float:
+    """Seconds between the recovery passes every worker runs."""
+    return float(getattr(settings, "DISPATCH_RECOVERY_INTERVAL", 5.0))
+
+
+def shutdown_grace_seconds() -> float:
+    """How long a draining worker lets executions finish before releasing them."""
+    return float(getattr(settings, "DISPATCH_SHUTDOWN_GRACE_SECONDS", 10.0))
+
+
+def misfire_grace_seconds() -> float:
+    """A schedule slot later than this is a misfire (see the scheduling app)."""
+    return float(getattr(settings, "DISPATCH_MISFIRE_GRACE_SECONDS", 60.0))
+
+
+def extra_connectors() -> list[str]:
+    """Dotted paths of connector classes a site adds to the built-in kinds."""
+    return list(getattr(settings, "DISPATCH_CONNECTORS", []))

@@ -1,0 +1,208 @@
+"""The connector interface. Connectors know nothing of runs, leases or workers.
+
+The runner hands a connector a decrypted config, a spec and a `TransferContext` (the
+fence, a progress callback, and a stop check). A reader yields batches of rows; a writer
+takes them and commits once at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from django.core.exceptions import ValidationError
+
+Row = Sequence[Any]
+Batch = list[Row]
+
+
+class ConnectorError(Exception):
+    """An error a connector raises with a message that holds no secret.
+
+    `permanent` errors (bad credentials, a missing table, invalid SQL) are not retried.
+    """
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+class PermanentError(ConnectorError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, permanent=True)
+
+
+class TransientError(ConnectorError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, permanent=False)
+
+
+class Stopped(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised inside a transfer when the runner wants it to stop (see `StopCause`)."""
+
+
+class LeaseLost(Exception):  # noqa: N818
+    """The attempt is no longer this worker's: stop, roll back, record nothing."""
+
+
+class FenceRejected(LeaseLost):
+    """A sink refused this attempt's commit: a newer attempt raised the run's fence, or
+    the run's data was already committed. Logged and counted, never recorded."""
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    # The PostgreSQL type, exactly (e.g. "numeric(12,2)"), or "" when the source has none.
+    type: str = ""
+
+
+class Fence(Protocol):
+    """What a sink needs to take part in fencing: the identity and token of the attempt."""
+
+    run_id: Any
+    binding_id: Any
+    attempt_id: Any
+    token: int
+
+    def check(self) -> None:
+        """Raise `LeaseLost` if the attempt is no longer this worker's (status + token),
+        or if its last successful heartbeat is older than the lease."""
+
+
+@dataclass
+class WriteResult:
+    rows_written: int = 0
+    # The run's data was already committed by an earlier attempt: nothing was written.
+    already_committed: bool = False
+
+
+class TransferContext(Protocol):
+    fence: Fence
+
+    def progress(self, *, rows_read: int = 0, rows_written: int = 0) -> None:
+        """Add to the counters; raises `Stopped` when the transfer must stop."""
+
+    def should_stop(self) -> bool: ...
+
+    def wait(self, seconds: float) -> None:
+        """Sleep, returning early (with `Stopped`) when the transfer must stop."""
+
+
+class Reader(Protocol):
+    columns: list[Column]
+
+    def batches(self) -> Iterator[Batch]: ...
+
+
+class Writer(Protocol):
+    def write(self, batch: Batch) -> int:
+        """Write one batch; returns the rows written."""
+
+    def commit(self) -> WriteResult: ...
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    name: str
+    required: bool = False
+    secret: bool = False
+    help: str = ""
+    kind: type = str
+
+
+class Connector:
+    """A connector kind: subclass, set the class attributes, override what applies."""
+
+    kind: ClassVar[str]
+    label: ClassVar[str] = ""
+    roles: ClassVar[frozenset[str]] = frozenset()
+    config_fields: ClassVar[tuple[ConfigField, ...]] = ()
+
+    @classmethod
+    def secret_fields(cls) -> frozenset[str]:  # type: ignore[override]
+        return frozenset(f.name for f in cls.config_fields if f.secret)
+
+    # --- validation (messages name the field) ---------------------------------------
+    @classmethod
+    def validate_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(config, dict):
+            raise ValidationError({"config": "must be a JSON object"})
+        known = {f.name: f for f in cls.config_fields}
+        errors: dict[str, str] = {}
+        for name in config:
+            if name not in known:
+                errors[name] = f"unknown field for a {cls.kind} datasource"
+        for f in cls.config_fields:
+            value = config.get(f.name)
+            if value in (None, ""):
+                if f.required:
+                    errors[f.name] = "this field is required"
+                continue
+            if f.kind is int and (not isinstance(value, int) or isinstance(value, bool)):
+                errors[f.name] = "must be an integer"
+            elif f.kind is str and not isinstance(value, str):
+                errors[f.name] = "must be a string"
+        if errors:
+            raise ValidationError({k: [v] for k, v in errors.items()})
+        return dict(config)
+
+    @classmethod
+    def validate_source_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        raise ValidationError(f"a {cls.kind} datasource cannot be a source")
+
+    @classmethod
+    def validate_sink_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        raise ValidationError(f"a {cls.kind} datasource cannot be a sink")
+
+    # --- runtime ------------------------------------------------------------------------
+    @classmethod
+    def test_connection(cls, config: dict[str, Any]) -> None:
+        """Open and close a connection; raise `ConnectorError` (no secret in it)."""
+
+    @classmethod
+    def open_reader(
+        cls, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext
+    ) -> contextlib.AbstractContextManager[Reader]:
+        raise NotImplementedError
+
+    @classmethod
+    def open_writer(
+        cls, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext,
+        columns: list[Column],
+    ) -> contextlib.AbstractContextManager[Writer]:
+        raise NotImplementedError
+
+
+def require_object(spec: Any, what: str = "spec") -> dict[str, Any]:
+    if not isinstance(spec, dict):
+        raise ValidationError(f"{what} must be a JSON object")
+    return spec
+
+
+def check_unknown(spec: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(spec) - allowed)
+    if unknown:
+        raise ValidationError(
+            f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}"
+        )
+
+
+def int_field(spec: dict[str, Any], name: str, *, default: int | None, minimum: int = 0) -> int | None:
+    value = spec.get(name, default)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValidationError(f"{name}: must be an integer >= {minimum}")
+    return value
+
+
+@dataclass
+class SimpleReader:
+    columns: list[Column]
+    _batches: Iterator[Batch] = field(repr=False, default_factory=lambda: iter(()))
+
+    def batches(self) -> Iterator[Batch]:
+        return self._batches

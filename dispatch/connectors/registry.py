@@ -1,0 +1,42 @@
+"""Connector kinds: the built-in ones plus those a site lists in DISPATCH_CONNECTORS."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from django.utils.module_loading import import_string
+
+from dispatch import conf
+from dispatch.connectors.base import Connector
+
+BUILTIN = [
+    "dispatch.connectors.builtin.GenerateConnector",
+    "dispatch.connectors.builtin.NullConnector",
+]
+
+
+class UnknownKind(LookupError):
+    pass
+
+
+@cache
+def _load(paths: tuple[str, ...]) -> dict[str, type[Connector]]:
+    kinds: dict[str, type[Connector]] = {}
+    for path in paths:
+        cls = import_string(path)
+        if not (isinstance(cls, type) and issubclass(cls, Connector)):
+            raise TypeError(f"{path} is not a dispatch Connector subclass")
+        kinds[cls.kind] = cls
+    return kinds
+
+
+def kinds() -> dict[str, type[Connector]]:
+    return _load(tuple(BUILTIN + conf.extra_connectors()))
+
+
+def get(kind: str) -> type[Connector]:
+    try:
+        return kinds()[kind]
+    except KeyError:
+        known = ", ".join(sorted(kinds()))
+        raise UnknownKind(f"unknown connector kind {kind!r} (known: {known})") from None

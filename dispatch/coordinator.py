@@ -1,0 +1,548 @@
+"""WorkerDispatchCoordinator: the `runworker` process.
+
+One main thread admits work and keeps time; `concurrency` executor threads run attempts;
+one heartbeat thread extends every held lease in one statement. Admission paths:
+
+- directed: a notification names a run; with a free slot the worker claims that run's
+  attempt, falling back to generic work in the same call when it misses;
+- generic: polling (every `poll_interval`), the end of every execution, a reconnect and
+  the timer for the earliest future `available_at` refill free slots with the oldest
+  eligible attempts.
+
+Notifications are hints: a lost, duplicated, malformed or unknown one changes latency
+only. The worker never compares its clock with a database timestamp: delays come from
+the database as durations and are kept on the local monotonic clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import psycopg
+from django.db import Error as DjangoDBError
+from django.db import connection
+from psycopg import sql
+
+from dispatch import claims, conf, services
+from dispatch.claims import ClaimedAttempt
+from dispatch.runner import ExecutionControl, Runner, StopCause
+from dispatch.sqlfiles import query
+from dispatch.states import Reason
+
+log = logging.getLogger("dispatch.worker")
+
+DB_ERRORS: tuple[type[BaseException], ...] = (DjangoDBError, psycopg.Error)
+# Heartbeat of the worker row when it holds no attempt.
+IDLE_HEARTBEAT_SECONDS = 5.0
+RECONNECT_MAX_SECONDS = 10.0
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class Execution:
+    claimed: ClaimedAttempt
+    control: ExecutionControl
+    done: threading.Event = field(default_factory=threading.Event)
+    status: str | None = None
+
+
+@dataclass
+class TickReport:
+    """What one `run_once` did (for tests and logs)."""
+
+    claimed: int = 0
+    directed_hits: int = 0
+    directed_misses: int = 0
+    notifications: int = 0
+    recovered: int = 0
+    finished: int = 0
+
+
+class WorkerDispatchCoordinator:
+    def __init__(
+        self,
+        *,
+        concurrency: int = 1,
+        poll_interval: float | None = None,
+        worker_id: str | None = None,
+        burst: bool = False,
+        recovery_interval: float | None = None,
+        shutdown_grace: float | None = None,
+        background: list[Callable[[threading.Event], None]] | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.concurrency = concurrency
+        self.poll_interval = conf.poll_interval() if poll_interval is None else poll_interval
+        self.recovery_interval = (
+            conf.recovery_interval() if recovery_interval is None else recovery_interval
+        )
+        self.shutdown_grace = (
+            conf.shutdown_grace_seconds() if shutdown_grace is None else shutdown_grace
+        )
+        self.worker_id = worker_id or default_worker_id()
+        self.burst = burst
+        self.background = background or []
+        self.stats: Counter[str] = Counter()
+        self.executions: dict[uuid.UUID, Execution] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Execution | None] = queue.Queue()
+        self._stop_threads = threading.Event()
+        self._heartbeat_now = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._listen: psycopg.Connection[Any] | None = None
+        self._listen_retry_at = 0.0
+        self._listen_backoff = 0.5
+        self._db_backoff_until = 0.0
+        self._db_backoff = 0.5
+        now = time.monotonic()
+        self._next_poll = now
+        self._next_recovery = now
+        self._timer: float | None = None
+        self._refill = True
+        self.stopping = False
+        self._drain_deadline: float | None = None
+        self._threads: list[threading.Thread] = []
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def run(self) -> int:
+        """Run until SIGTERM/SIGINT (or, with `burst`, until nothing is claimable)."""
+        self._install_signal_handlers()
+        self._register()
+        self._start_threads()
+        try:
+            while True:
+                self.run_once()
+                if self._finished():
+                    break
+                self._wait(self._next_timeout())
+        finally:
+            self._shutdown()
+        return 0
+
+    def request_stop(self, *, immediate: bool = False) -> None:
+        """Begin draining: stop claiming, let executions finish within the grace period."""
+        if not self.stopping:
+            self.stopping = True
+            self._drain_deadline = time.monotonic() + self.shutdown_grace
+            log.info("worker draining worker=%s held=%d grace=%.1fs",
+                     self.worker_id, len(self.executions), self.shutdown_grace)
+        if immediate:
+            self._drain_deadline = time.monotonic()
+        self._wake()
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            # A second signal skips the rest of the grace period.
+            self.request_stop(immediate=self.stopping)
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def _register(self) -> None:
+        """Insert the worker row, waiting (with a clear log line) while the database is
+        down instead of exiting in a crash loop."""
+        delay = 0.5
+        while True:
+            try:
+                with connection.cursor() as cursor:
+                    cursor.execute(query("register_worker"), {
+                        "id": self.worker_id, "host": socket.gethostname(), "pid": os.getpid(),
+                        "concurrency": self.concurrency,
+                    })
+                log.info("worker started worker=%s concurrency=%d", self.worker_id, self.concurrency)
+                return
+            except DB_ERRORS as exc:
+                self._reset_connection()
+                log.error("database unavailable, retrying in %.1fs worker=%s error=%s",
+                          delay, self.worker_id, _one_line(exc))
+                if self._sleep_or_stop(delay):
+                    raise SystemExit(0) from None
+                delay = min(delay * 2, RECONNECT_MAX_SECONDS)
+
+    def _start_threads(self) -> None:
+        for i in range(self.concurrency):
+            t = threading.Thread(target=self._executor_loop, name=f"executor-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        t = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        t.start()
+        self._threads.append(t)
+        for target in self.background:
+            t = threading.Thread(target=target, args=(self._stop_threads,), daemon=True,
+                                 name=getattr(target, "__name__", "background"))
+            t.start()
+            self._threads.append(t)
+
+    def _finished(self) -> bool:
+        if self.stopping:
+            if not self.executions:
+                return True
+            if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+                self._release_all()
+                return True
+            return False
+        # --burst: nothing claimable now and our own executions have finished.
+        return self.burst and not self.executions and not self._refill and self._last_claim_empty
+
+    def _shutdown(self) -> None:
+        self._stop_threads.set()
+        self._heartbeat_now.set()
+        self._close_listen()
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(query("stop_worker"), {"id": self.worker_id, "stats": _stats_json(self.stats)})
+        except DB_ERRORS as exc:
+            log.warning("could not mark worker stopped worker=%s error=%s", self.worker_id, _one_line(exc))
+        for _ in range(self.concurrency):
+            self._queue.put(None)
+        log.info("worker stopped worker=%s stats=%s", self.worker_id, dict(self.stats))
+
+    # --- one iteration --------------------------------------------------------------------
+    _last_claim_empty = False
+
+    def run_once(self) -> TickReport:
+        """Reap finished executions, read notifications, claim, recover. Never raises for
+        a database error: it logs, backs off and tries again on the next iteration."""
+        report = TickReport()
+        report.finished = self._reap()
+        notifications = self._read_notifications()
+        report.notifications = len(notifications)
+        now = time.monotonic()
+        if now < self._db_backoff_until:
+            return report
+        try:
+            if not self.stopping:
+                self._admit(notifications, report, now)
+            if now >= self._next_recovery:
+                report.recovered = self._recover()
+                self._next_recovery = time.monotonic() + self.recovery_interval
+            self._db_backoff = 0.5
+        except DB_ERRORS as exc:
+            self._reset_connection()
+            log.error("database error, retrying in %.1fs worker=%s error=%s",
+                      self._db_backoff, self.worker_id, _one_line(exc))
+            self._db_backoff_until = time.monotonic() + self._db_backoff
+            self._db_backoff = min(self._db_backoff * 2, RECONNECT_MAX_SECONDS)
+            self._refill = True
+        return report
+
+    def _admit(self, notifications: list[uuid.UUID], report: TickReport, now: float) -> None:
+        held_runs = {e.claimed.run_id for e in self.executions.values()}
+        generic_exhausted = False
+        for run_id in dict.fromkeys(notifications):  # duplicates in one read are one hint
+            if run_id in held_runs:
+                # Our own run: probably a cancel request. Heartbeat now to learn it.
+                self._heartbeat_now.set()
+                continue
+            if self._free() <= 0:
+                self.stats["notifications_without_slot"] += 1
+                continue
+            got = self._claim(run_id=run_id, generic=not generic_exhausted)
+            hit = any(c.directed for c in got)
+            report.claimed += len(got)
+            report.directed_hits += hit
+            report.directed_misses += not hit
+            self.stats["directed_hits" if hit else "directed_misses"] += 1
+            if len(got) - hit == 0 and self._free() > 0:
+                generic_exhausted = True  # no more generic work right now
+        timer_due = self._timer is not None and now >= self._timer
+        if self._free() > 0 and (self._refill or now >= self._next_poll or timer_due):
+            if timer_due:
+                self._timer = None
+            got = [] if generic_exhausted else self._claim_generic()
+            report.claimed += len(got)
+            self._next_poll = time.monotonic() + self.poll_interval
+            self._refill = False
+
+    def _free(self) -> int:
+        return self.concurrency - len(self.executions)
+
+    def _claim(self, *, run_id: uuid.UUID | None = None, generic: bool = True) -> list[ClaimedAttempt]:
+        free = self._free()
+        if free <= 0:
+            return []
+        got = claims.claim(self.worker_id, run_id=run_id, limit=free, generic=generic)
+        for claimed in got:
+            self._start(claimed)
+        generic_got = [c for c in got if not c.directed]
+        self.stats["claims_generic"] += len(generic_got)
+        self.stats["claims_directed"] += len(got) - len(generic_got)
+        if generic and len(got) < free:
+            self._after_empty_claim()
+        return got
+
+    def _claim_generic(self) -> list[ClaimedAttempt]:
+        got: list[ClaimedAttempt] = []
+        # A batch may come back short while more is claimable (a binding at capacity among
+        # the oldest candidates): ask again until a call returns nothing or slots are full.
+        while self._free() > 0:
+            batch = self._claim()
+            got.extend(batch)
+            if not batch:
+                break
+        self._last_claim_empty = not got
+        return got
+
+    def _after_empty_claim(self) -> None:
+        """Nothing more is due now: sleep until the earliest future attempt is due."""
+        delay = claims.next_available_in()
+        self._timer = None if delay is None else time.monotonic() + delay + 0.001
+
+    def _start(self, claimed: ClaimedAttempt) -> None:
+        execution = Execution(claimed, ExecutionControl(claimed))
+        with self._lock:
+            self.executions[claimed.attempt_id] = execution
+        log.info("attempt claimed run=%s attempt=%s worker=%s token=%s directed=%s",
+                 claimed.run_id, claimed.number, self.worker_id, claimed.lease_token, claimed.directed)
+        self._queue.put(execution)
+        self._heartbeat_now.set()  # recompute the heartbeat interval for the new lease
+
+    def _reap(self) -> int:
+        finished = [e for e in list(self.executions.values()) if e.done.is_set()]
+        with self._lock:
+            for e in finished:
+                self.executions.pop(e.claimed.attempt_id, None)
+        if finished:
+            self._refill = True
+        return len(finished)
+
+    def _recover(self) -> int:
+        settled = claims.recover()
+        for r in settled:
+            log.info("lease expired, settled run=%s attempt=%s outcome=%s worker=%s",
+                     r.run_id, r.number, r.outcome, self.worker_id)
+        self.stats["recovered"] += len(settled)
+        if settled:
+            self._refill = True  # a successor may be due at once
+        claims.refresh_blocked()
+        return len(settled)
+
+    def _release_all(self) -> None:
+        """End of the grace period: release what is still running so that another worker
+        can take it at once (fenced: if the execution commits first, it wins)."""
+        for execution in list(self.executions.values()):
+            execution.control.stop(StopCause.RELEASED)
+            c = execution.claimed
+            try:
+                status = claims.settle(c.attempt_id, c.lease_token, "RELEASE",
+                                       reason=Reason.SHUTDOWN_RELEASED,
+                                       rows_read=execution.control.rows_read,
+                                       rows_written=execution.control.rows_written)
+            except DB_ERRORS as exc:
+                log.error("could not release run=%s attempt=%s; recovery will settle it at lease "
+                          "expiry error=%s", c.run_id, c.number, _one_line(exc))
+                continue
+            if status is not None:
+                self.stats["released"] += 1
+                log.info("attempt released at shutdown run=%s attempt=%s worker=%s token=%s",
+                         c.run_id, c.number, self.worker_id, c.lease_token)
+                services.notify(c.run_id)
+
+    # --- notifications ----------------------------------------------------------------------
+    def _listen_connect(self) -> None:
+        params = dict(connection.get_connection_params())
+        params.pop("cursor_factory", None)
+        params.pop("context", None)
+        params.pop("prepare_threshold", None)
+        params.pop("server_side_binding", None)
+        params["application_name"] = f"dispatch-listen {self.worker_id}"[:63]
+        conn = psycopg.connect(autocommit=True, **params)
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(conf.channel())))
+        self._listen = conn
+        self._listen_backoff = 0.5
+        self._refill = True  # once listening again, one generic pass
+        log.info("listening worker=%s channel=%s", self.worker_id, conf.channel())
+
+    def _close_listen(self) -> None:
+        if self._listen is not None:
+            try:
+                self._listen.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._listen = None
+
+    def _read_notifications(self) -> list[uuid.UUID]:
+        if self._listen is None:
+            if time.monotonic() < self._listen_retry_at:
+                return []
+            try:
+                self._listen_connect()
+            except (psycopg.Error, OSError) as exc:
+                self._listen_lost(exc)
+                return []
+        assert self._listen is not None
+        pgconn = self._listen.pgconn
+        run_ids: list[uuid.UUID] = []
+        try:
+            pgconn.consume_input()
+            while (n := pgconn.notifies()) is not None:
+                self.stats["notifications"] += 1
+                try:
+                    run_ids.append(uuid.UUID(n.extra.decode("utf-8", "replace").strip()))
+                except ValueError:
+                    self.stats["notifications_malformed"] += 1
+            if pgconn.status != psycopg.pq.ConnStatus.OK:
+                raise psycopg.OperationalError("LISTEN connection is not OK")
+        except (psycopg.Error, OSError) as exc:
+            self._listen_lost(exc)
+        return run_ids
+
+    def _listen_lost(self, exc: BaseException) -> None:
+        self._close_listen()
+        self._listen_retry_at = time.monotonic() + self._listen_backoff
+        log.warning("LISTEN connection lost, reconnecting in %.1fs and polling meanwhile "
+                    "worker=%s error=%s", self._listen_backoff, self.worker_id, _one_line(exc))
+        self._listen_backoff = min(self._listen_backoff * 2, RECONNECT_MAX_SECONDS)
+        self.stats["listen_reconnects"] += 1
+
+    # --- waiting ------------------------------------------------------------------------------
+    def _next_timeout(self) -> float:
+        now = time.monotonic()
+        deadlines = [self._next_recovery]
+        if not self.stopping:
+            if self._free() > 0:
+                deadlines.append(self._next_poll)
+                if self._timer is not None:
+                    deadlines.append(self._timer)
+        elif self._drain_deadline is not None:
+            deadlines.append(self._drain_deadline)
+        if self._listen is None:
+            deadlines.append(self._listen_retry_at)
+        if self._db_backoff_until > now:
+            deadlines.append(self._db_backoff_until)
+        return max(0.0, min(deadlines) - now)
+
+    def _wait(self, timeout: float) -> None:
+        fds = [self._wake_r]
+        if self._listen is not None:
+            fds.append(self._listen.pgconn.socket)
+        try:
+            ready, _, _ = select.select(fds, [], [], timeout)
+        except (OSError, ValueError):
+            ready = []
+            time.sleep(min(timeout, 0.1))
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _sleep_or_stop(self, seconds: float) -> bool:
+        self._wait(seconds)
+        return self.stopping
+
+    def _reset_connection(self) -> None:
+        try:
+            connection.close()
+        except DB_ERRORS:
+            pass
+
+    # --- threads ----------------------------------------------------------------------------
+    def _executor_loop(self) -> None:
+        while True:
+            execution = self._queue.get()
+            if execution is None:
+                break
+            try:
+                runner = Runner(execution.claimed, execution.control, on_event=self._count)
+                try:
+                    execution.status = runner.execute()
+                except DB_ERRORS as exc:
+                    # The outcome could not be recorded: the lease runs out and recovery
+                    # settles the attempt; the connection is rebuilt for the next one.
+                    self._reset_connection()
+                    self._count("settle_failed")
+                    log.error("outcome not recorded run=%s attempt=%s error=%s",
+                              execution.claimed.run_id, execution.claimed.number, _one_line(exc))
+            except BaseException:  # noqa: BLE001 - an executor thread must never die
+                log.exception("executor crashed run=%s", execution.claimed.run_id)
+            finally:
+                execution.done.set()
+                self._wake()
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.stats[name] += 1
+
+    def heartbeat_once(self) -> None:
+        """One heartbeat for every held attempt (and the worker row)."""
+        with self._lock:
+            held = [e for e in self.executions.values() if not e.done.is_set()]
+            stats = dict(self.stats)
+        beats = claims.heartbeat(
+            self.worker_id,
+            [(e.claimed.attempt_id, e.claimed.lease_token, e.control.rows_read,
+              e.control.rows_written) for e in held],
+            stats,
+        )
+        for e in held:
+            beat = beats.get(e.claimed.attempt_id)
+            if beat is None:
+                if not e.done.is_set():
+                    log.warning("lease lost run=%s attempt=%s worker=%s token=%s",
+                                e.claimed.run_id, e.claimed.number, self.worker_id, e.claimed.lease_token)
+                    e.control.stop(StopCause.LEASE_LOST)
+                continue
+            e.control.heartbeat_ok(beat.lease_seconds)
+            if beat.cancel_requested:
+                e.control.stop(StopCause.CANCEL)
+
+    def _heartbeat_interval(self) -> float:
+        with self._lock:
+            leases = [e.control.lease_seconds for e in self.executions.values()]
+        return min(leases) / 3 if leases else IDLE_HEARTBEAT_SECONDS
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop_threads.is_set():
+            self._heartbeat_now.wait(self._heartbeat_interval())
+            self._heartbeat_now.clear()
+            if self._stop_threads.is_set():
+                break
+            try:
+                self.heartbeat_once()
+            except DB_ERRORS as exc:
+                self._reset_connection()
+                log.error("heartbeat failed worker=%s error=%s", self.worker_id, _one_line(exc))
+                self._stop_threads.wait(0.5)
+            except Exception:  # noqa: BLE001 - the heartbeat thread must never die
+                log.exception("heartbeat crashed worker=%s", self.worker_id)
+                self._stop_threads.wait(0.5)
+
+
+def _stats_json(stats: Counter[str]) -> str:
+    import json
+
+    return json.dumps(dict(stats), sort_keys=True)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from django.apps import apps
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.utils.module_loading import import_string
+
+from dispatch.coordinator import WorkerDispatchCoordinator
+
+
+class Command(BaseCommand):
+    help = "Claim and execute runs until SIGTERM/SIGINT (drains within the grace period)."
+    requires_system_checks = "__all__"  # type: ignore[assignment]
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--concurrency", type=int, default=1, help="executor slots (default 1)")
+        parser.add_argument("--poll-interval", type=float, default=None,
+                            help="seconds between polls (default DISPATCH_POLL_INTERVAL)")
+        parser.add_argument("--worker-id", default=None, help="default: host:pid:random")
+        parser.add_argument("--scheduler", action="store_true",
+                            help="also run the schedule reconciler loop in this process")
+        parser.add_argument("--burst", action="store_true",
+                            help="exit once nothing is claimable now and executions have finished")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["concurrency"] < 1:
+            raise CommandError("--concurrency must be at least 1.")
+        if options["poll_interval"] is not None and options["poll_interval"] <= 0:
+            raise CommandError("--poll-interval must be positive.")
+        background: list[Callable[[threading.Event], None]] = []
+        if options["scheduler"]:
+            if not apps.is_installed("scheduling"):
+                raise CommandError("--scheduler needs the scheduling app in INSTALLED_APPS.")
+            background.append(import_string("scheduling.reconciler.run_loop"))
+        coordinator = WorkerDispatchCoordinator(
+            concurrency=options["concurrency"],
+            poll_interval=options["poll_interval"],
+            worker_id=options["worker_id"],
+            burst=options["burst"],
+            background=background,
+        )
+        coordinator.run()

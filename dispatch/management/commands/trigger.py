@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from dispatch import services
+from dispatch.management.commands._common import binding_from_arg
+from dispatch.models import Run
+from dispatch.states import Status, Trigger
+
+
+class Command(BaseCommand):
+    help = "Trigger a run of a binding (by id or name) and print the run id."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("binding", help="the binding's id or name")
+        parser.add_argument("--wait", action="store_true",
+                            help="wait for the run to finish; exit 0 only if it SUCCEEDED")
+        parser.add_argument("--timeout", type=float, default=None,
+                            help="with --wait: give up after this many seconds (exit 1)")
+        parser.add_argument("--idempotency-key", default=None)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        binding = binding_from_arg(options["binding"])
+        run = services.trigger(binding, trigger=Trigger.MANUAL,
+                               idempotency_key=options["idempotency_key"],
+                               requested_by="manage.py trigger")
+        self.stdout.write(str(run.id))
+        if not options["wait"]:
+            return
+        deadline = None if options["timeout"] is None else time.monotonic() + options["timeout"]
+        while True:
+            status = Run.objects.values_list("status", flat=True).get(pk=run.pk)
+            if status in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise CommandError(f"Run {run.id} is still {status} after {options['timeout']}s.")
+            time.sleep(0.2)
+        if status != Status.SUCCEEDED:
+            raise CommandError(f"Run {run.id} finished {status}.")
+        self.stderr.write(f"Run {run.id} SUCCEEDED.")

@@ -1,0 +1,229 @@
+"""Execute one claimed attempt: decrypt its snapshot, move the data, record the outcome.
+
+Runs outside any dispatch transaction. The only writes it makes to the dispatch tables
+are the guarded settlement at the end (and the fence check a sink may ask for); a
+settlement that matches no row means the attempt was lost and nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from django.db import connection
+
+from dispatch import claims, crypto
+from dispatch.claims import ClaimedAttempt
+from dispatch.connectors import registry
+from dispatch.connectors.base import (
+    ConnectorError,
+    FenceRejected,
+    LeaseLost,
+    Stopped,
+)
+from dispatch.states import Reason
+
+log = logging.getLogger("dispatch.runner")
+
+MAX_ERROR_CHARS = 4000
+
+
+class StopCause(enum.Enum):
+    CANCEL = "cancel"  # the run has a cancel request
+    LEASE_LOST = "lease_lost"  # a heartbeat found the attempt no longer ours
+    RELEASED = "released"  # the worker is draining and released the attempt
+    TIMEOUT = "timeout"  # the job's timeout_seconds elapsed
+
+
+class ExecutionControl:
+    """Shared between an execution thread, the heartbeat thread and the coordinator."""
+
+    def __init__(self, claimed: ClaimedAttempt) -> None:
+        self.claimed = claimed
+        self.started = time.monotonic()
+        self.last_heartbeat_ok = self.started
+        self.lease_seconds = claimed.lease_seconds
+        self.deadline = (
+            self.started + claimed.timeout_seconds if claimed.timeout_seconds else None
+        )
+        self.rows_read = 0
+        self.rows_written = 0
+        self.cause: StopCause | None = None
+        self._event = threading.Event()
+
+    def stop(self, cause: StopCause) -> None:
+        if self.cause is None:
+            self.cause = cause
+        self._event.set()
+
+    def should_stop(self) -> bool:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.stop(StopCause.TIMEOUT)
+        return self._event.is_set()
+
+    def heartbeat_ok(self, lease_seconds: int) -> None:
+        self.last_heartbeat_ok = time.monotonic()
+        self.lease_seconds = lease_seconds
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to `seconds`; True if told to stop meanwhile."""
+        limit = seconds
+        if self.deadline is not None:
+            limit = min(limit, max(0.0, self.deadline - time.monotonic()))
+        self._event.wait(limit)
+        return self.should_stop()
+
+
+class AttemptFence:
+    """The attempt's identity and token, for sinks that fence (contract section 4)."""
+
+    def __init__(self, control: ExecutionControl) -> None:
+        c = control.claimed
+        self.run_id = c.run_id
+        self.binding_id = c.binding_id
+        self.attempt_id = c.attempt_id
+        self.token = c.lease_token
+        self._control = control
+
+    def check(self) -> None:
+        """Raise LeaseLost unless the attempt is still RUNNING with our token, and our
+        last successful heartbeat (by this worker's monotonic clock) is within the lease."""
+        if time.monotonic() - self._control.last_heartbeat_ok > self._control.lease_seconds:
+            raise LeaseLost("no successful heartbeat within the lease")
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT 1 FROM dispatch_attempt WHERE id = %s AND lease_token = %s AND status = 'RUNNING'",
+                [self.attempt_id, self.token],
+            )
+            if cursor.fetchone() is None:
+                raise LeaseLost("the attempt is no longer this worker's")
+
+
+class Context:
+    """The `TransferContext` handed to connectors."""
+
+    def __init__(self, control: ExecutionControl) -> None:
+        self.control = control
+        self.fence = AttemptFence(control)
+
+    def progress(self, *, rows_read: int = 0, rows_written: int = 0) -> None:
+        self.control.rows_read += rows_read
+        self.control.rows_written += rows_written
+        if self.control.should_stop():
+            raise Stopped(self.control.cause.value if self.control.cause else "stop")
+
+    def should_stop(self) -> bool:
+        return self.control.should_stop()
+
+    def wait(self, seconds: float) -> None:
+        if self.control.wait(seconds):
+            raise Stopped(self.control.cause.value if self.control.cause else "stop")
+
+
+_URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]*@")
+_KEY_VALUE_SECRET = re.compile(r"(?i)\b(password|passwd|pwd|secret|token)\s*[=:]\s*('[^']*'|\"[^\"]*\"|\S+)")
+
+
+def sanitize(text: str, secrets: list[str]) -> str:
+    """Strip secret values, URL credentials and password=... pairs from an error text."""
+    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        text = text.replace(secret, "********")
+    text = _URL_CREDENTIALS.sub(r"\1********@", text)
+    text = _KEY_VALUE_SECRET.sub(r"\1=********", text)
+    return text[:MAX_ERROR_CHARS]
+
+
+def _secret_values(connector: Any, config: dict[str, Any]) -> list[str]:
+    return [str(config[k]) for k in connector.secret_fields() if config.get(k)]
+
+
+class Runner:
+    """Runs one attempt to its outcome. `on_fenced` counts stale commits a sink refused."""
+
+    def __init__(self, claimed: ClaimedAttempt, control: ExecutionControl,
+                 on_event: Callable[[str], None] = lambda name: None) -> None:
+        self.claimed = claimed
+        self.control = control
+        self.on_event = on_event
+        self.secrets: list[str] = []
+
+    def _log(self, message: str, *args: Any, level: int = logging.INFO) -> None:
+        c = self.claimed
+        log.log(level, message + " run=%s attempt=%s token=%s", *args, c.run_id, c.number, c.lease_token)
+
+    def settle(self, outcome: str, reason: str | None = None, error: str | None = None) -> str | None:
+        status = claims.settle(
+            self.claimed.attempt_id, self.claimed.lease_token, outcome, reason=reason,
+            error=sanitize(error, self.secrets) if error else None,
+            rows_read=self.control.rows_read, rows_written=self.control.rows_written,
+        )
+        if status is None:
+            self.on_event("lease_lost")
+            self._log("attempt lost before its outcome was recorded outcome=%s", outcome, level=logging.WARNING)
+        else:
+            self.on_event(f"settled_{status.lower()}")
+            self._log("attempt settled status=%s reason=%s", status, reason)
+        return status
+
+    def execute(self) -> str | None:
+        c = self.claimed
+        try:
+            source_config = crypto.decrypt_config(
+                c.source_snapshot, expected_id=c.source_id, expected_version=c.source_version)
+            sink_config = crypto.decrypt_config(
+                c.sink_snapshot, expected_id=c.sink_id, expected_version=c.sink_version)
+        except crypto.SnapshotUnreadable as exc:
+            return self.settle("PERMANENT", Reason.SNAPSHOT_UNREADABLE, f"snapshot unreadable: {exc}")
+        try:
+            source = registry.get(c.source_kind)
+            sink = registry.get(c.sink_kind)
+        except registry.UnknownKind as exc:
+            return self.settle("PERMANENT", Reason.PERMANENT_ERROR, str(exc))
+        self.secrets = _secret_values(source, source_config) + _secret_values(sink, sink_config)
+        ctx = Context(self.control)
+        try:
+            with source.open_reader(source_config, c.source_spec, ctx) as reader:  # type: ignore[arg-type]
+                with sink.open_writer(sink_config, c.sink_spec, ctx, reader.columns) as writer:  # type: ignore[arg-type]
+                    for batch in reader.batches():
+                        ctx.progress(rows_read=len(batch))
+                        ctx.progress(rows_written=writer.write(batch))
+                    if self.control.should_stop():
+                        raise Stopped("stop before commit")
+                    result = writer.commit()
+        except FenceRejected as exc:
+            self.on_event("fenced_commits")
+            self._log("stale commit refused by the sink fence: %s", exc, level=logging.WARNING)
+            return None
+        except (Stopped, LeaseLost) as exc:
+            return self._stopped(exc)
+        except ConnectorError as exc:
+            if self.control.cause is not None:
+                return self._stopped(exc)
+            outcome, reason = ("PERMANENT", Reason.PERMANENT_ERROR) if exc.permanent else ("ERROR", Reason.ERROR)
+            return self.settle(outcome, reason, str(exc))
+        except Exception as exc:  # noqa: BLE001 - any failure of a connector is the attempt's
+            if self.control.cause is not None:
+                return self._stopped(exc)
+            self._log("attempt error %s", type(exc).__name__, level=logging.WARNING)
+            return self.settle("ERROR", Reason.ERROR, f"{type(exc).__name__}: {exc}")
+        self.control.rows_written = max(self.control.rows_written, result.rows_written)
+        reason = Reason.ALREADY_COMMITTED if result.already_committed else None
+        return self.settle("SUCCEEDED", reason)
+
+    def _stopped(self, exc: BaseException) -> str | None:
+        cause = self.control.cause
+        if cause is StopCause.CANCEL:
+            return self.settle("CANCELLED", Reason.CANCELLED_BY_OPERATOR)
+        if cause is StopCause.TIMEOUT:
+            return self.settle("ERROR", Reason.TIMEOUT, f"timed out after {self.claimed.timeout_seconds}s")
+        # LEASE_LOST or RELEASED (or a sink that found the lease lost): the attempt is no
+        # longer ours; record nothing.
+        self.on_event("lease_lost" if cause is not StopCause.RELEASED else "released_stopped")
+        self._log("attempt stopped without recording cause=%s detail=%s",
+                  cause.value if cause else "lease_lost", exc, level=logging.WARNING)
+        return None

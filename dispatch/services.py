@@ -1,0 +1,232 @@
+"""Operator and program actions: trigger, cancel, retry, run now, release.
+
+Every function here runs in one transaction that takes row locks in the contract's
+order (run -> attempt -> binding -> datasources), so any two actions, a claim, a
+completion or a recovery pass racing on the same run settle with exactly one outcome.
+Wake-ups are sent after the commit. A refusal raises `ActionRefused` with a stable
+`code` and a message for the operator; nothing is changed then.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from django.db import IntegrityError, connection, transaction
+from django.db.models import Max
+from django.db.models.functions import Now
+
+from dispatch import conf, sqlfiles
+from dispatch.models import Attempt, JobBinding, Run
+from dispatch.states import BlockedReason, Origin, Reason, Status, Trigger
+
+log = logging.getLogger("dispatch.services")
+
+
+class Outcome(StrEnum):
+    TRIGGERED = "TRIGGERED"  # a new run with attempt 1 PENDING
+    EXISTING = "EXISTING"  # idempotency key or schedule slot already had its run
+    CANCELLED = "CANCELLED"  # the pending attempt and the run are CANCELLED
+    CANCEL_REQUESTED = "CANCEL_REQUESTED"  # the running worker stops at its next heartbeat
+    RETRIED = "RETRIED"  # a new OPERATOR attempt, PENDING now
+    MADE_AVAILABLE = "MADE_AVAILABLE"  # the pending attempt is due now
+    RELEASED = "RELEASED"  # the running attempt is RETRY_SCHEDULED, successor PENDING
+
+
+class ActionRefused(Exception):
+    """An action that does not apply to the row's current state; nothing changed.
+
+    Codes: ALREADY_FINISHED, CANCEL_ALREADY_REQUESTED, NOT_RETRYABLE, NOT_WAITING,
+    NOT_RUNNING.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _who(by: Any) -> str:
+    if by is None:
+        return ""
+    return str(getattr(by, "get_username", lambda: by)())
+
+
+def notify(run_id: uuid.UUID | str) -> None:
+    """Send the wake-up for a run. Never raises: a lost wake-up costs only latency.
+
+    Runs as its own autocommit statement with synchronous_commit off for that one
+    transaction, so it does not wait for a WAL flush.
+    """
+    statement = "notify_in_transaction" if connection.in_atomic_block else "notify"
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sqlfiles.query(statement), {"channel": conf.channel(), "payload": str(run_id)})
+    except Exception:  # noqa: BLE001 - the trigger has committed; never undo or fail it
+        log.warning("wake-up for run=%s not sent; workers will find it by polling", run_id, exc_info=True)
+
+
+def _notify_on_commit(run_id: uuid.UUID) -> None:
+    transaction.on_commit(lambda: notify(run_id))
+
+
+def _blocked_reason(binding: JobBinding) -> str | None:
+    if not binding.job.enabled:
+        return BlockedReason.JOB_DISABLED
+    if not binding.enabled:
+        return BlockedReason.BINDING_DISABLED
+    if not binding.source.enabled:
+        return BlockedReason.SOURCE_DISABLED
+    if not binding.sink.enabled:
+        return BlockedReason.SINK_DISABLED
+    return None
+
+
+def trigger(
+    binding: JobBinding,
+    *,
+    trigger: str = Trigger.MANUAL,
+    idempotency_key: str | None = None,
+    requested_by: Any = None,
+    schedule_id: uuid.UUID | None = None,
+    scheduled_for: datetime | None = None,
+) -> Run:
+    """Create a run and its attempt 1 (PENDING, due now) in one transaction; wake a worker
+    after the commit (an outer `atomic` delays the wake-up until it commits).
+
+    With an `idempotency_key` (or a schedule slot) that already has a run, that run is
+    returned and nothing is created. A disabled binding still gets its run: it waits,
+    with a visible `blocked_reason`, until the binding is enabled.
+    """
+    if trigger not in Trigger.values:
+        raise ValueError(f"trigger must be one of {', '.join(Trigger.values)}, not {trigger!r}")
+    if idempotency_key is not None:
+        existing = Run.objects.filter(idempotency_key=idempotency_key).first()
+        if existing is not None:
+            return existing
+    binding = JobBinding.objects.select_related("job", "source", "sink").get(pk=binding.pk)
+    try:
+        with transaction.atomic():
+            run = Run.objects.create(
+                binding=binding, trigger=trigger, status=Status.PENDING,
+                idempotency_key=idempotency_key, requested_by=_who(requested_by),
+                schedule_id=schedule_id, scheduled_for=scheduled_for,
+            )
+            Attempt.objects.create(
+                run=run, number=1, origin=Origin.TRIGGER, status=Status.PENDING,
+                blocked_reason=_blocked_reason(binding),
+            )
+            _notify_on_commit(run.id)
+    except IntegrityError:
+        # A concurrent trigger with the same key or slot won; return its run.
+        if idempotency_key is not None:
+            return Run.objects.get(idempotency_key=idempotency_key)
+        if schedule_id is not None:
+            return Run.objects.get(schedule_id=schedule_id, scheduled_for=scheduled_for)
+        raise
+    log.info("run triggered run=%s binding=%s trigger=%s", run.id, binding.name, trigger)
+    return run
+
+
+def _lock_run(run: Run | uuid.UUID | str) -> tuple[Run, Attempt | None]:
+    """Lock the run, then its live attempt (the contract's order). Inside `atomic`."""
+    run_id = run.pk if isinstance(run, Run) else run
+    locked = Run.objects.select_for_update().get(pk=run_id)
+    live = (
+        Attempt.objects.select_for_update()
+        .filter(run_id=locked.pk, status__in=[Status.PENDING, Status.RUNNING])
+        .first()
+    )
+    return locked, live
+
+
+def cancel_run(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
+    """Cancel a run: a PENDING one at once, a RUNNING one at its worker's next heartbeat
+    (or when recovery finds its lease expired). Locks run, then attempt."""
+    with transaction.atomic():
+        locked, live = _lock_run(run)
+        if live is None:
+            raise ActionRefused("ALREADY_FINISHED", f"Run {locked.pk} has already finished ({locked.status}).")
+        if live.status == Status.PENDING:
+            Attempt.objects.filter(pk=live.pk, status=Status.PENDING).update(
+                status=Status.CANCELLED, reason=Reason.CANCELLED_BY_OPERATOR, finished_at=Now()
+            )
+            Run.objects.filter(pk=locked.pk).update(
+                status=Status.CANCELLED, finished_at=Now(), cancel_requested_at=Now()
+            )
+            outcome = Outcome.CANCELLED
+        else:
+            if locked.cancel_requested_at is not None:
+                raise ActionRefused(
+                    "CANCEL_ALREADY_REQUESTED",
+                    f"Run {locked.pk} already has a cancel request; its worker stops at the next heartbeat.",
+                )
+            Run.objects.filter(pk=locked.pk).update(cancel_requested_at=Now())
+            # The holding worker heartbeats as soon as it hears its run's id.
+            _notify_on_commit(locked.pk)
+            outcome = Outcome.CANCEL_REQUESTED
+    log.info("run cancel run=%s outcome=%s by=%s", locked.pk, outcome, _who(by))
+    return outcome
+
+
+def retry_run(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
+    """Add an OPERATOR attempt (a fresh retry budget) to a FAILED or CANCELLED run."""
+    with transaction.atomic():
+        locked, live = _lock_run(run)
+        if live is not None or locked.status not in (Status.FAILED, Status.CANCELLED):
+            raise ActionRefused(
+                "NOT_RETRYABLE",
+                f"Run {locked.pk} is {locked.status}; only FAILED or CANCELLED runs can be retried.",
+            )
+        number = (locked.attempts.aggregate(n=Max("number"))["n"] or 0) + 1
+        Attempt.objects.create(run=locked, number=number, origin=Origin.OPERATOR, status=Status.PENDING)
+        Run.objects.filter(pk=locked.pk).update(
+            status=Status.PENDING, finished_at=None, cancel_requested_at=None
+        )
+        _notify_on_commit(locked.pk)
+    log.info("run retried run=%s attempt=%s by=%s", locked.pk, number, _who(by))
+    return Outcome.RETRIED
+
+
+def run_now(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
+    """Make a run's attempt that waits on backoff due now, and wake a worker."""
+    with transaction.atomic():
+        locked, live = _lock_run(run)
+        if live is None:
+            raise ActionRefused("ALREADY_FINISHED", f"Run {locked.pk} has already finished ({locked.status}).")
+        changed = Attempt.objects.filter(
+            pk=live.pk, status=Status.PENDING, available_at__gt=Now()
+        ).update(available_at=Now())
+        if not changed:
+            state = "is running" if live.status == Status.RUNNING else "is already due"
+            raise ActionRefused("NOT_WAITING", f"Run {locked.pk} {state}; it is not waiting on a backoff.")
+        _notify_on_commit(locked.pk)
+    log.info("run made available run=%s attempt=%s by=%s", locked.pk, live.number, _who(by))
+    return Outcome.MADE_AVAILABLE
+
+
+def release_attempt(attempt: Attempt | uuid.UUID | str, *, by: Any = None) -> Outcome:
+    """Settle a RUNNING attempt now (an operator who knows its worker is gone): it becomes
+    RETRY_SCHEDULED / RELEASED_BY_OPERATOR with a successor due now, outside the retry
+    budget. Fencing keeps a worker that is in fact alive harmless."""
+    attempt_id = attempt.pk if isinstance(attempt, Attempt) else attempt
+    run_id = Attempt.objects.values_list("run_id", flat=True).get(pk=attempt_id)
+    with transaction.atomic():
+        locked, live = _lock_run(run_id)
+        if live is None or live.pk != uuid.UUID(str(attempt_id)) or live.status != Status.RUNNING:
+            raise ActionRefused("NOT_RUNNING", f"Attempt {attempt_id} is not running.")
+        with connection.cursor() as cursor:
+            cursor.execute(sqlfiles.query("settle"), {
+                "attempt": live.pk, "token": live.lease_token, "outcome": "RELEASE",
+                "reason": Reason.RELEASED_BY_OPERATOR, "error": None,
+                "rows_read": None, "rows_written": None,
+            })
+            (status,) = cursor.fetchone()
+        if status is None:  # cannot happen while we hold the locks; never guess
+            raise ActionRefused("NOT_RUNNING", f"Attempt {attempt_id} is not running.")
+        _notify_on_commit(locked.pk)
+    log.info("attempt released run=%s attempt=%s worker=%s by=%s", locked.pk, live.number, live.worker_id, _who(by))
+    return Outcome.RELEASED

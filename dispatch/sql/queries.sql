@@ -1,0 +1,53 @@
+-- Named statements that do not need a function of their own. Each is fetched by name
+-- with dispatch.sqlfiles.query(); parameters are %(name)s placeholders.
+
+-- name: claim
+-- The claim, in one round trip (see dispatch_claim_v1).
+SELECT * FROM dispatch_claim_v1(%(worker)s, %(run)s, %(limit)s, %(generic)s);
+
+-- name: settle
+-- A guarded settlement of one attempt (see dispatch_settle_v1); NULL = lease lost.
+SELECT dispatch_settle_v1(%(attempt)s, %(token)s, %(outcome)s, %(reason)s, %(error)s,
+                          %(rows_read)s, %(rows_written)s);
+
+-- name: recover
+SELECT * FROM dispatch_recover_v1(%(limit)s);
+
+-- name: heartbeat
+SELECT * FROM dispatch_heartbeat_v1(%(worker)s, %(attempts)s::uuid[], %(tokens)s::bigint[],
+                                    %(rows_read)s::bigint[], %(rows_written)s::bigint[],
+                                    %(stats)s::jsonb);
+
+-- name: refresh_blocked
+SELECT dispatch_refresh_blocked_v1();
+
+-- name: next_available_in
+-- Seconds until the earliest future PENDING attempt becomes due (by database time), for
+-- the worker's timer; NULL when there is none. Uses dispatch_attempt_pending_idx.
+SELECT EXTRACT(EPOCH FROM (min(available_at) - clock_timestamp()))::float8
+  FROM dispatch_attempt
+ WHERE status = 'PENDING' AND available_at > clock_timestamp();
+
+-- name: notify
+-- The wake-up, as its own autocommit transaction after the trigger committed: a full
+-- notification queue fails this statement only, never the trigger. synchronous_commit is
+-- off for this one transaction (set_config(..., true) lasts until its commit), so the
+-- wake-up does not wait for a WAL flush.
+SELECT set_config('synchronous_commit', 'off', true), pg_notify(%(channel)s, %(payload)s);
+
+-- name: notify_in_transaction
+-- The wake-up when the caller is inside a transaction (it is sent at that commit).
+SELECT pg_notify(%(channel)s, %(payload)s);
+
+-- name: register_worker
+INSERT INTO dispatch_worker (id, host, pid, concurrency, started_at, heartbeat_at, stats)
+VALUES (%(id)s, %(host)s, %(pid)s, %(concurrency)s, clock_timestamp(), clock_timestamp(), '{}')
+ON CONFLICT (id) DO UPDATE
+   SET host = EXCLUDED.host, pid = EXCLUDED.pid, concurrency = EXCLUDED.concurrency,
+       started_at = EXCLUDED.started_at, heartbeat_at = EXCLUDED.heartbeat_at,
+       stopped_at = NULL, stats = '{}';
+
+-- name: stop_worker
+UPDATE dispatch_worker SET stopped_at = clock_timestamp(), heartbeat_at = clock_timestamp(),
+       stats = %(stats)s::jsonb
+ WHERE id = %(id)s;

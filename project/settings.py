@@ -1,0 +1,126 @@
+"""Settings of the runnable dispatch site.
+
+This is the only module that reads the environment (through django-environ). A
+`.env` file at the project root, written by `make run`, is read first; real
+environment variables win over it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env()
+environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
+
+
+def _float(name: str, default: float) -> float:
+    raw = env.str(name, default=str(default))
+    try:
+        return float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
+
+
+DEBUG = env.bool("DEBUG", default=False)
+SECRET_KEY = env.str("SECRET_KEY", default="")
+if not SECRET_KEY:
+    if not DEBUG:
+        raise ImproperlyConfigured(
+            "SECRET_KEY is not set. Set it in the environment or in .env "
+            "(`make run` writes a .env with a fresh one)."
+        )
+    SECRET_KEY = "insecure-development-only-key"
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost"])
+
+if "DATABASE_URL" not in env:
+    raise ImproperlyConfigured(
+        "DATABASE_URL is not set, e.g. postgres://user:password@127.0.0.1:5432/dispatch. "
+        "`make run` and `make test` set it (to an embedded PostgreSQL when unset)."
+    )
+DATABASES = {"default": env.db_url("DATABASE_URL")}
+if not DATABASES["default"]["ENGINE"].endswith("postgresql"):
+    raise ImproperlyConfigured("dispatch needs PostgreSQL: DATABASE_URL must be a postgres:// URL.")
+DATABASES["default"].setdefault("OPTIONS", {})
+DATABASES["default"]["OPTIONS"].setdefault("application_name", "dispatch")
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=0)
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "dispatch",
+    "scheduling",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "project.urls"
+WSGI_APPLICATION = "project.wsgi.application"
+ASGI_APPLICATION = "project.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / ".data" / "static"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- dispatch -------------------------------------------------------------------------
+# Comma-separated Fernet keys, newest first. Checked at start-up (dispatch.E001/E002).
+DISPATCH_ENCRYPTION_KEYS = env.list("DISPATCH_ENCRYPTION_KEYS", default=[])
+DISPATCH_CHANNEL = env.str("DISPATCH_CHANNEL", default="dispatch_runs")
+DISPATCH_POLL_INTERVAL = _float("DISPATCH_POLL_INTERVAL", 2.0)
+DISPATCH_RECOVERY_INTERVAL = _float("DISPATCH_RECOVERY_INTERVAL", 5.0)
+DISPATCH_SHUTDOWN_GRACE_SECONDS = _float("DISPATCH_SHUTDOWN_GRACE_SECONDS", 10.0)
+DISPATCH_MISFIRE_GRACE_SECONDS = _float("DISPATCH_MISFIRE_GRACE_SECONDS", 60.0)
+DISPATCH_CONNECTORS = env.list("DISPATCH_CONNECTORS", default=[])
+
+LOG_LEVEL = env.str("LOG_LEVEL", default="INFO")
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {
+        "dispatch": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},
+        "scheduling": {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False},
+    },
+}

@@ -1,0 +1,23 @@
+"""Settings for the test suite: the site's settings with fixed test keys.
+
+DATABASE_URL comes from the environment (`make test` sets it). The encryption keys are
+throwaway keys that exist only for tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("SECRET_KEY", "test-only-secret-key")
+os.environ.setdefault(
+    "DISPATCH_ENCRYPTION_KEYS",
+    "7tLtvrDaR4N3B7yWAnMGz7CVGRHhKK0mFmGiZ1cxjbs=",
+)
+os.environ.setdefault("DISPATCH_POLL_INTERVAL", "0.5")
+os.environ.setdefault("DISPATCH_RECOVERY_INTERVAL", "1")
+os.environ.setdefault("DISPATCH_SHUTDOWN_GRACE_SECONDS", "5")
+
+from project.settings import *  # noqa: E402,F403
+
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+LOGGING["loggers"]["dispatch"]["level"] = "DEBUG"  # type: ignore[index]  # noqa: F405
