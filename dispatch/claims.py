@@ -72,15 +72,29 @@ def claim(
 
 
 def settle(
-    attempt_id: uuid.UUID, token: int, outcome: str, *, reason: str | None = None,
-    error: str | None = None, rows_read: int | None = None, rows_written: int | None = None,
+    attempt_id: uuid.UUID,
+    token: int,
+    outcome: str,
+    *,
+    reason: str | None = None,
+    error: str | None = None,
+    rows_read: int | None = None,
+    rows_written: int | None = None,
 ) -> str | None:
     """Record an attempt's outcome, guarded by status + token. None: the lease was lost."""
     with connection.cursor() as cursor:
-        cursor.execute(query("settle"), {
-            "attempt": attempt_id, "token": token, "outcome": outcome, "reason": reason,
-            "error": error, "rows_read": rows_read, "rows_written": rows_written,
-        })
+        cursor.execute(
+            query("settle"),
+            {
+                "attempt": attempt_id,
+                "token": token,
+                "outcome": outcome,
+                "reason": reason,
+                "error": error,
+                "rows_read": rows_read,
+                "rows_written": rows_written,
+            },
+        )
         (status,) = cursor.fetchone()
     return status
 
@@ -98,14 +112,17 @@ def heartbeat(
     """One statement for all held attempts: (attempt, token, rows_read, rows_written).
     Returns the attempts that are still this worker's."""
     with connection.cursor() as cursor:
-        cursor.execute(query("heartbeat"), {
-            "worker": worker_id,
-            "attempts": [h[0] for h in held],
-            "tokens": [h[1] for h in held],
-            "rows_read": [h[2] for h in held],
-            "rows_written": [h[3] for h in held],
-            "stats": json.dumps(stats),
-        })
+        cursor.execute(
+            query("heartbeat"),
+            {
+                "worker": worker_id,
+                "attempts": [h[0] for h in held],
+                "tokens": [h[1] for h in held],
+                "rows_read": [h[2] for h in held],
+                "rows_written": [h[3] for h in held],
+                "stats": json.dumps(stats),
+            },
+        )
         return {row[0]: Beat(*row) for row in cursor.fetchall()}
 
 

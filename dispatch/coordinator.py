@@ -16,6 +16,7 @@ the database as durations and are kept on the local monotonic clock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -143,8 +144,12 @@ class WorkerDispatchCoordinator:
         if not self.stopping:
             self.stopping = True
             self._drain_deadline = time.monotonic() + self.shutdown_grace
-            log.info("worker draining worker=%s held=%d grace=%.1fs",
-                     self.worker_id, len(self.executions), self.shutdown_grace)
+            log.info(
+                "worker draining worker=%s held=%d grace=%.1fs",
+                self.worker_id,
+                len(self.executions),
+                self.shutdown_grace,
+            )
         if immediate:
             self._drain_deadline = time.monotonic()
         self._wake()
@@ -167,16 +172,27 @@ class WorkerDispatchCoordinator:
         while True:
             try:
                 with connection.cursor() as cursor:
-                    cursor.execute(query("register_worker"), {
-                        "id": self.worker_id, "host": socket.gethostname(), "pid": os.getpid(),
-                        "concurrency": self.concurrency,
-                    })
-                log.info("worker started worker=%s concurrency=%d", self.worker_id, self.concurrency)
+                    cursor.execute(
+                        query("register_worker"),
+                        {
+                            "id": self.worker_id,
+                            "host": socket.gethostname(),
+                            "pid": os.getpid(),
+                            "concurrency": self.concurrency,
+                        },
+                    )
+                log.info(
+                    "worker started worker=%s concurrency=%d", self.worker_id, self.concurrency
+                )
                 return
             except DB_ERRORS as exc:
                 self._reset_connection()
-                log.error("database unavailable, retrying in %.1fs worker=%s error=%s",
-                          delay, self.worker_id, _one_line(exc))
+                log.error(
+                    "database unavailable, retrying in %.1fs worker=%s error=%s",
+                    delay,
+                    self.worker_id,
+                    _one_line(exc),
+                )
                 if self._sleep_or_stop(delay):
                     raise SystemExit(0) from None
                 delay = min(delay * 2, RECONNECT_MAX_SECONDS)
@@ -190,8 +206,12 @@ class WorkerDispatchCoordinator:
         t.start()
         self._threads.append(t)
         for target in self.background:
-            t = threading.Thread(target=target, args=(self._stop_threads,), daemon=True,
-                                 name=getattr(target, "__name__", "background"))
+            t = threading.Thread(
+                target=target,
+                args=(self._stop_threads,),
+                daemon=True,
+                name=getattr(target, "__name__", "background"),
+            )
             t.start()
             self._threads.append(t)
 
@@ -212,9 +232,13 @@ class WorkerDispatchCoordinator:
         self._close_listen()
         try:
             with connection.cursor() as cursor:
-                cursor.execute(query("stop_worker"), {"id": self.worker_id, "stats": _stats_json(self.stats)})
+                cursor.execute(
+                    query("stop_worker"), {"id": self.worker_id, "stats": _stats_json(self.stats)}
+                )
         except DB_ERRORS as exc:
-            log.warning("could not mark worker stopped worker=%s error=%s", self.worker_id, _one_line(exc))
+            log.warning(
+                "could not mark worker stopped worker=%s error=%s", self.worker_id, _one_line(exc)
+            )
         for _ in range(self.concurrency):
             self._queue.put(None)
         log.info("worker stopped worker=%s stats=%s", self.worker_id, dict(self.stats))
@@ -241,8 +265,12 @@ class WorkerDispatchCoordinator:
             self._db_backoff = 0.5
         except DB_ERRORS as exc:
             self._reset_connection()
-            log.error("database error, retrying in %.1fs worker=%s error=%s",
-                      self._db_backoff, self.worker_id, _one_line(exc))
+            log.error(
+                "database error, retrying in %.1fs worker=%s error=%s",
+                self._db_backoff,
+                self.worker_id,
+                _one_line(exc),
+            )
             self._db_backoff_until = time.monotonic() + self._db_backoff
             self._db_backoff = min(self._db_backoff * 2, RECONNECT_MAX_SECONDS)
             self._refill = True
@@ -279,7 +307,9 @@ class WorkerDispatchCoordinator:
     def _free(self) -> int:
         return self.concurrency - len(self.executions)
 
-    def _claim(self, *, run_id: uuid.UUID | None = None, generic: bool = True) -> list[ClaimedAttempt]:
+    def _claim(
+        self, *, run_id: uuid.UUID | None = None, generic: bool = True
+    ) -> list[ClaimedAttempt]:
         free = self._free()
         if free <= 0:
             return []
@@ -314,8 +344,14 @@ class WorkerDispatchCoordinator:
         execution = Execution(claimed, ExecutionControl(claimed))
         with self._lock:
             self.executions[claimed.attempt_id] = execution
-        log.info("attempt claimed run=%s attempt=%s worker=%s token=%s directed=%s",
-                 claimed.run_id, claimed.number, self.worker_id, claimed.lease_token, claimed.directed)
+        log.info(
+            "attempt claimed run=%s attempt=%s worker=%s token=%s directed=%s",
+            claimed.run_id,
+            claimed.number,
+            self.worker_id,
+            claimed.lease_token,
+            claimed.directed,
+        )
         self._queue.put(execution)
         self._heartbeat_now.set()  # recompute the heartbeat interval for the new lease
 
@@ -331,8 +367,13 @@ class WorkerDispatchCoordinator:
     def _recover(self) -> int:
         settled = claims.recover()
         for r in settled:
-            log.info("lease expired, settled run=%s attempt=%s outcome=%s worker=%s",
-                     r.run_id, r.number, r.outcome, self.worker_id)
+            log.info(
+                "lease expired, settled run=%s attempt=%s outcome=%s worker=%s",
+                r.run_id,
+                r.number,
+                r.outcome,
+                self.worker_id,
+            )
         self.stats["recovered"] += len(settled)
         if settled:
             self._refill = True  # a successor may be due at once
@@ -346,18 +387,32 @@ class WorkerDispatchCoordinator:
             execution.control.stop(StopCause.RELEASED)
             c = execution.claimed
             try:
-                status = claims.settle(c.attempt_id, c.lease_token, "RELEASE",
-                                       reason=Reason.SHUTDOWN_RELEASED,
-                                       rows_read=execution.control.rows_read,
-                                       rows_written=execution.control.rows_written)
+                status = claims.settle(
+                    c.attempt_id,
+                    c.lease_token,
+                    "RELEASE",
+                    reason=Reason.SHUTDOWN_RELEASED,
+                    rows_read=execution.control.rows_read,
+                    rows_written=execution.control.rows_written,
+                )
             except DB_ERRORS as exc:
-                log.error("could not release run=%s attempt=%s; recovery will settle it at lease "
-                          "expiry error=%s", c.run_id, c.number, _one_line(exc))
+                log.error(
+                    "could not release run=%s attempt=%s; recovery will settle it at lease "
+                    "expiry error=%s",
+                    c.run_id,
+                    c.number,
+                    _one_line(exc),
+                )
                 continue
             if status is not None:
                 self.stats["released"] += 1
-                log.info("attempt released at shutdown run=%s attempt=%s worker=%s token=%s",
-                         c.run_id, c.number, self.worker_id, c.lease_token)
+                log.info(
+                    "attempt released at shutdown run=%s attempt=%s worker=%s token=%s",
+                    c.run_id,
+                    c.number,
+                    self.worker_id,
+                    c.lease_token,
+                )
                 services.notify(c.run_id)
 
     # --- notifications ----------------------------------------------------------------------
@@ -377,10 +432,8 @@ class WorkerDispatchCoordinator:
 
     def _close_listen(self) -> None:
         if self._listen is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._listen.close()
-            except Exception:  # noqa: BLE001
-                pass
             self._listen = None
 
     def _read_notifications(self) -> list[uuid.UUID]:
@@ -412,8 +465,13 @@ class WorkerDispatchCoordinator:
     def _listen_lost(self, exc: BaseException) -> None:
         self._close_listen()
         self._listen_retry_at = time.monotonic() + self._listen_backoff
-        log.warning("LISTEN connection lost, reconnecting in %.1fs and polling meanwhile "
-                    "worker=%s error=%s", self._listen_backoff, self.worker_id, _one_line(exc))
+        log.warning(
+            "LISTEN connection lost, reconnecting in %.1fs and polling meanwhile "
+            "worker=%s error=%s",
+            self._listen_backoff,
+            self.worker_id,
+            _one_line(exc),
+        )
         self._listen_backoff = min(self._listen_backoff * 2, RECONNECT_MAX_SECONDS)
         self.stats["listen_reconnects"] += 1
 
@@ -451,20 +509,16 @@ class WorkerDispatchCoordinator:
                 pass
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # a full pipe already holds a wake-up
             os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
 
     def _sleep_or_stop(self, seconds: float) -> bool:
         self._wait(seconds)
         return self.stopping
 
     def _reset_connection(self) -> None:
-        try:
+        with contextlib.suppress(*DB_ERRORS):
             connection.close()
-        except DB_ERRORS:
-            pass
 
     # --- threads ----------------------------------------------------------------------------
     def _executor_loop(self) -> None:
@@ -481,8 +535,12 @@ class WorkerDispatchCoordinator:
                     # settles the attempt; the connection is rebuilt for the next one.
                     self._reset_connection()
                     self._count("settle_failed")
-                    log.error("outcome not recorded run=%s attempt=%s error=%s",
-                              execution.claimed.run_id, execution.claimed.number, _one_line(exc))
+                    log.error(
+                        "outcome not recorded run=%s attempt=%s error=%s",
+                        execution.claimed.run_id,
+                        execution.claimed.number,
+                        _one_line(exc),
+                    )
             except BaseException:  # noqa: BLE001 - an executor thread must never die
                 log.exception("executor crashed run=%s", execution.claimed.run_id)
             finally:
@@ -500,16 +558,28 @@ class WorkerDispatchCoordinator:
             stats = dict(self.stats)
         beats = claims.heartbeat(
             self.worker_id,
-            [(e.claimed.attempt_id, e.claimed.lease_token, e.control.rows_read,
-              e.control.rows_written) for e in held],
+            [
+                (
+                    e.claimed.attempt_id,
+                    e.claimed.lease_token,
+                    e.control.rows_read,
+                    e.control.rows_written,
+                )
+                for e in held
+            ],
             stats,
         )
         for e in held:
             beat = beats.get(e.claimed.attempt_id)
             if beat is None:
                 if not e.done.is_set():
-                    log.warning("lease lost run=%s attempt=%s worker=%s token=%s",
-                                e.claimed.run_id, e.claimed.number, self.worker_id, e.claimed.lease_token)
+                    log.warning(
+                        "lease lost run=%s attempt=%s worker=%s token=%s",
+                        e.claimed.run_id,
+                        e.claimed.number,
+                        self.worker_id,
+                        e.claimed.lease_token,
+                    )
                     e.control.stop(StopCause.LEASE_LOST)
                 continue
             e.control.heartbeat_ok(beat.lease_seconds)

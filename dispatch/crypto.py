@@ -56,9 +56,7 @@ def decrypt_config(
     try:
         plaintext = fernet().decrypt(token.encode("ascii"))
     except (InvalidToken, ValueError, TypeError, UnicodeError):
-        raise SnapshotUnreadable(
-            "ciphertext cannot be decrypted with any configured key"
-        ) from None
+        raise SnapshotUnreadable("ciphertext cannot be decrypted with any configured key") from None
     try:
         envelope = json.loads(plaintext)
     except ValueError:

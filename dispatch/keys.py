@@ -26,8 +26,12 @@ def rotate_all() -> RotationResult:
     result = RotationResult()
     for pk in Datasource.objects.values_list("pk", flat=True):
         with transaction.atomic():
-            row = Datasource.objects.select_for_update().filter(pk=pk).values_list(
-                "config_ciphertext", flat=True).first()
+            row = (
+                Datasource.objects.select_for_update()
+                .filter(pk=pk)
+                .values_list("config_ciphertext", flat=True)
+                .first()
+            )
             if not row:
                 continue
             Datasource.objects.filter(pk=pk).update(config_ciphertext=crypto.rotate(row))
@@ -35,8 +39,13 @@ def rotate_all() -> RotationResult:
     for attempt_id, source, sink in Attempt.objects.filter(
         source_snapshot__isnull=False
     ).values_list("pk", "source_snapshot", "sink_snapshot"):
+        if source is None:
+            continue
         updated = Attempt.objects.filter(
             pk=attempt_id, source_snapshot=source, sink_snapshot=sink
-        ).update(source_snapshot=crypto.rotate(source), sink_snapshot=crypto.rotate(sink) if sink else None)
+        ).update(
+            source_snapshot=crypto.rotate(source),
+            sink_snapshot=crypto.rotate(sink) if sink else None,
+        )
         result.snapshots += updated
     return result

@@ -61,6 +61,38 @@ class Datasource(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        from dispatch.connectors import registry
+
+        if not self._config_dirty:
+            super().save(*args, **kwargs)
+            return
+        config = self._plain_config or {}
+        try:
+            connector = registry.get(self.kind)
+            public = frozenset(f.name for f in connector.config_fields if not f.secret)
+        except registry.UnknownKind:
+            public = frozenset()
+        self.redacted_config = redact(config, public)
+        with transaction.atomic():
+            if not self._state.adding:
+                # Lock the row (an edit waits for a claim's FOR SHARE to end) and bump the
+                # version from the stored value, so two edits never reuse a version.
+                current = (
+                    type(self)
+                    .objects.select_for_update()
+                    .values_list("version", flat=True)
+                    .filter(pk=self.pk)
+                    .first()
+                )
+                self.version = (current or 0) + 1
+                self.updated_at = Now()  # type: ignore[assignment]
+            self.config_ciphertext = crypto.encrypt_config(self.id, self.version, config)
+            super().save(*args, **kwargs)
+        self._config_dirty = False
+        if not self._state.adding and isinstance(self.updated_at, Now):
+            self.refresh_from_db(fields=["updated_at"])
+
     @property
     def config(self) -> dict[str, Any]:
         """The decrypted config (checked against this row's id and version)."""
@@ -81,11 +113,6 @@ class Datasource(models.Model):
         self._plain_config = dict(value)
         self._config_dirty = True
 
-    def connector(self) -> Any:
-        from dispatch.connectors import registry
-
-        return registry.get(self.kind)
-
     def clean(self) -> None:
         from dispatch.connectors import registry
 
@@ -95,40 +122,26 @@ class Datasource(models.Model):
             raise ValidationError({"kind": str(exc)}) from None
         self._plain_config = connector.validate_config(self.config)
 
-    def save(self, *args: Any, **kwargs: Any) -> None:
+    def connector(self) -> Any:
         from dispatch.connectors import registry
 
-        if not self._config_dirty:
-            super().save(*args, **kwargs)
-            return
-        config = self._plain_config or {}
-        try:
-            secret_fields = registry.get(self.kind).secret_fields()
-        except registry.UnknownKind:
-            secret_fields = frozenset()
-        self.redacted_config = redact(config, secret_fields)
-        with transaction.atomic():
-            if not self._state.adding:
-                # Lock the row (an edit waits for a claim's FOR SHARE to end) and bump the
-                # version from the stored value, so two edits never reuse a version.
-                current = (
-                    type(self).objects.select_for_update().values_list("version", flat=True)
-                    .filter(pk=self.pk).first()
-                )
-                self.version = (current or 0) + 1
-                self.updated_at = Now()  # type: ignore[assignment]
-            self.config_ciphertext = crypto.encrypt_config(self.id, self.version, config)
-            super().save(*args, **kwargs)
-        self._config_dirty = False
-        if not self._state.adding and isinstance(self.updated_at, Now):
-            self.refresh_from_db(fields=["updated_at"])
+        return registry.get(self.kind)
 
 
 SECRET_MASK = "********"
 
 
-def redact(config: dict[str, Any], secret_fields: frozenset[str] | set[str]) -> dict[str, Any]:
-    return {k: (SECRET_MASK if k in secret_fields and v not in (None, "") else v) for k, v in config.items()}
+_SECRET_WORDS = ("password", "passwd", "secret", "token", "key", "url", "dsn", "credential")
+
+
+def redact(config: dict[str, Any], public_fields: frozenset[str] | set[str]) -> dict[str, Any]:
+    """A copy safe to show: only fields the connector declares non-secret keep their
+    value (and never one whose name suggests a secret); everything else is masked."""
+
+    def shown(name: str) -> bool:
+        return name in public_fields and not any(w in name.lower() for w in _SECRET_WORDS)
+
+    return {k: (v if shown(k) or v in (None, "") else SECRET_MASK) for k, v in config.items()}
 
 
 class Job(models.Model):
@@ -141,21 +154,26 @@ class Job(models.Model):
     source_spec = models.JSONField(default=dict, blank=True)
     sink_spec = models.JSONField(default=dict, blank=True)
     max_attempts = models.PositiveIntegerField(
-        default=3, validators=[MinValueValidator(1), MaxValueValidator(100)],
+        default=3,
+        validators=[MinValueValidator(1), MaxValueValidator(100)],
         help_text="Attempts in one retry budget (since the trigger or the last operator retry).",
     )
     backoff_seconds = models.FloatField(
-        default=10.0, validators=[MinValueValidator(0.0)],
+        default=10.0,
+        validators=[MinValueValidator(0.0)],
         help_text="Delay before the first automatic retry; doubles each retry.",
     )
     backoff_max_seconds = models.FloatField(default=600.0, validators=[MinValueValidator(0.0)])
     lease_seconds = models.PositiveIntegerField(
-        default=30, validators=[MinValueValidator(2), MaxValueValidator(86400)],
+        default=30,
+        validators=[MinValueValidator(2), MaxValueValidator(86400)],
         help_text="A worker heartbeats every lease/3 seconds; recovery settles an attempt "
         "whose lease ran out.",
     )
     timeout_seconds = models.PositiveIntegerField(
-        null=True, blank=True, validators=[MinValueValidator(1)],
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
         help_text="Bounds one execution; empty for no bound.",
     )
     created_at = models.DateTimeField(db_default=Now(), editable=False)
@@ -163,8 +181,12 @@ class Job(models.Model):
     class Meta:
         ordering = ["name"]
         constraints = [
-            models.CheckConstraint(condition=Q(lease_seconds__gte=2), name="dispatch_job_lease_min"),
-            models.CheckConstraint(condition=Q(max_attempts__gte=1), name="dispatch_job_attempts_min"),
+            models.CheckConstraint(
+                condition=Q(lease_seconds__gte=2), name="dispatch_job_lease_min"
+            ),
+            models.CheckConstraint(
+                condition=Q(max_attempts__gte=1), name="dispatch_job_attempts_min"
+            ),
             models.CheckConstraint(
                 condition=Q(backoff_seconds__gte=0) & Q(backoff_max_seconds__gte=0),
                 name="dispatch_job_backoff_nonnegative",
@@ -176,9 +198,7 @@ class Job(models.Model):
 
     def clean(self) -> None:
         if self.backoff_max_seconds < self.backoff_seconds:
-            raise ValidationError(
-                {"backoff_max_seconds": "must be at least backoff_seconds"}
-            )
+            raise ValidationError({"backoff_max_seconds": "must be at least backoff_seconds"})
         if self.pk and not self._state.adding:
             for binding in self.bindings.select_related("source", "sink"):
                 binding.validate_specs(job=self)
@@ -199,7 +219,8 @@ class JobBinding(models.Model):
     sink = models.ForeignKey(Datasource, on_delete=models.PROTECT, related_name="sink_bindings")
     enabled = models.BooleanField(default=True)
     max_concurrency = models.PositiveIntegerField(
-        default=1, validators=[MinValueValidator(1)],
+        default=1,
+        validators=[MinValueValidator(1)],
         help_text="Attempts of this binding that may run at once.",
     )
     created_at = models.DateTimeField(db_default=Now(), editable=False)
@@ -243,7 +264,9 @@ class JobBinding(models.Model):
                     f"a {datasource.kind} datasource cannot be a {role}"
                 )
                 continue
-            validate = connector.validate_source_spec if role == "source" else connector.validate_sink_spec
+            validate = (
+                connector.validate_source_spec if role == "source" else connector.validate_sink_spec
+            )
             try:
                 validate(getattr(job, spec_name))
             except ValidationError as exc:
@@ -287,7 +310,8 @@ class Run(models.Model):
         ]
         constraints = [
             models.UniqueConstraint(
-                fields=["idempotency_key"], condition=Q(idempotency_key__isnull=False),
+                fields=["idempotency_key"],
+                condition=Q(idempotency_key__isnull=False),
                 name="dispatch_run_idempotency_key_uniq",
             ),
             models.UniqueConstraint(
@@ -306,8 +330,11 @@ class Run(models.Model):
             # Runs of one binding (admin filter; the claim's capacity count joins through it).
             models.Index(fields=["binding", "-created_at"], name="dispatch_run_binding_idx"),
             # Finished-per-hour chart of the overview.
-            models.Index(fields=["finished_at"], name="dispatch_run_finished_idx",
-                         condition=Q(finished_at__isnull=False)),
+            models.Index(
+                fields=["finished_at"],
+                name="dispatch_run_finished_idx",
+                condition=Q(finished_at__isnull=False),
+            ),
         ]
 
     def __str__(self) -> str:
@@ -380,7 +407,9 @@ class Attempt(models.Model):
         ordering = ["run", "number"]
         permissions = [("release_attempt", "Can release a running attempt")]
         constraints = [
-            models.UniqueConstraint(fields=["run", "number"], name="dispatch_attempt_run_number_uniq"),
+            models.UniqueConstraint(
+                fields=["run", "number"], name="dispatch_attempt_run_number_uniq"
+            ),
             # At most one live attempt per run: the last line of defence against a second
             # successor from concurrent recovery passes or operator actions.
             models.UniqueConstraint(
@@ -401,7 +430,8 @@ class Attempt(models.Model):
                 name="dispatch_attempt_running_has_lease",
             ),
             models.CheckConstraint(
-                condition=Q(status__in=[Status.PENDING, Status.RUNNING]) | Q(finished_at__isnull=False),
+                condition=Q(status__in=[Status.PENDING, Status.RUNNING])
+                | Q(finished_at__isnull=False),
                 name="dispatch_attempt_finished_has_time",
             ),
             models.CheckConstraint(
@@ -414,13 +444,15 @@ class Attempt(models.Model):
             # The claim: oldest due PENDING attempts (dispatch_claim_v1) and the worker's
             # timer for the earliest future available_at.
             models.Index(
-                fields=["available_at", "id"], condition=Q(status=Status.PENDING),
+                fields=["available_at", "id"],
+                condition=Q(status=Status.PENDING),
                 name="dispatch_attempt_pending_idx",
             ),
             # Recovery (dispatch_recover_v1: lease_until <= now()) and the capacity count
             # of the claim (RUNNING attempts of a binding).
             models.Index(
-                fields=["lease_until"], condition=Q(status=Status.RUNNING),
+                fields=["lease_until"],
+                condition=Q(status=Status.RUNNING),
                 name="dispatch_attempt_running_idx",
             ),
             # The admin's attempt list and the overview's failures in the last 24 h.

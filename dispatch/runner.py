@@ -48,9 +48,7 @@ class ExecutionControl:
         self.started = time.monotonic()
         self.last_heartbeat_ok = self.started
         self.lease_seconds = claimed.lease_seconds
-        self.deadline = (
-            self.started + claimed.timeout_seconds if claimed.timeout_seconds else None
-        )
+        self.deadline = self.started + claimed.timeout_seconds if claimed.timeout_seconds else None
         self.rows_read = 0
         self.rows_written = 0
         self.cause: StopCause | None = None
@@ -126,7 +124,9 @@ class Context:
 
 
 _URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]*@")
-_KEY_VALUE_SECRET = re.compile(r"(?i)\b(password|passwd|pwd|secret|token)\s*[=:]\s*('[^']*'|\"[^\"]*\"|\S+)")
+_KEY_VALUE_SECRET = re.compile(
+    r"(?i)\b(password|passwd|pwd|secret|token)\s*[=:]\s*('[^']*'|\"[^\"]*\"|\S+)"
+)
 
 
 def sanitize(text: str, secrets: list[str]) -> str:
@@ -145,8 +145,12 @@ def _secret_values(connector: Any, config: dict[str, Any]) -> list[str]:
 class Runner:
     """Runs one attempt to its outcome. `on_fenced` counts stale commits a sink refused."""
 
-    def __init__(self, claimed: ClaimedAttempt, control: ExecutionControl,
-                 on_event: Callable[[str], None] = lambda name: None) -> None:
+    def __init__(
+        self,
+        claimed: ClaimedAttempt,
+        control: ExecutionControl,
+        on_event: Callable[[str], None] = lambda name: None,
+    ) -> None:
         self.claimed = claimed
         self.control = control
         self.on_event = on_event
@@ -154,17 +158,29 @@ class Runner:
 
     def _log(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         c = self.claimed
-        log.log(level, message + " run=%s attempt=%s token=%s", *args, c.run_id, c.number, c.lease_token)
+        log.log(
+            level, message + " run=%s attempt=%s token=%s", *args, c.run_id, c.number, c.lease_token
+        )
 
-    def settle(self, outcome: str, reason: str | None = None, error: str | None = None) -> str | None:
+    def settle(
+        self, outcome: str, reason: str | None = None, error: str | None = None
+    ) -> str | None:
         status = claims.settle(
-            self.claimed.attempt_id, self.claimed.lease_token, outcome, reason=reason,
+            self.claimed.attempt_id,
+            self.claimed.lease_token,
+            outcome,
+            reason=reason,
             error=sanitize(error, self.secrets) if error else None,
-            rows_read=self.control.rows_read, rows_written=self.control.rows_written,
+            rows_read=self.control.rows_read,
+            rows_written=self.control.rows_written,
         )
         if status is None:
             self.on_event("lease_lost")
-            self._log("attempt lost before its outcome was recorded outcome=%s", outcome, level=logging.WARNING)
+            self._log(
+                "attempt lost before its outcome was recorded outcome=%s",
+                outcome,
+                level=logging.WARNING,
+            )
         else:
             self.on_event(f"settled_{status.lower()}")
             self._log("attempt settled status=%s reason=%s", status, reason)
@@ -174,11 +190,15 @@ class Runner:
         c = self.claimed
         try:
             source_config = crypto.decrypt_config(
-                c.source_snapshot, expected_id=c.source_id, expected_version=c.source_version)
+                c.source_snapshot, expected_id=c.source_id, expected_version=c.source_version
+            )
             sink_config = crypto.decrypt_config(
-                c.sink_snapshot, expected_id=c.sink_id, expected_version=c.sink_version)
+                c.sink_snapshot, expected_id=c.sink_id, expected_version=c.sink_version
+            )
         except crypto.SnapshotUnreadable as exc:
-            return self.settle("PERMANENT", Reason.SNAPSHOT_UNREADABLE, f"snapshot unreadable: {exc}")
+            return self.settle(
+                "PERMANENT", Reason.SNAPSHOT_UNREADABLE, f"snapshot unreadable: {exc}"
+            )
         try:
             source = registry.get(c.source_kind)
             sink = registry.get(c.sink_kind)
@@ -204,7 +224,9 @@ class Runner:
         except ConnectorError as exc:
             if self.control.cause is not None:
                 return self._stopped(exc)
-            outcome, reason = ("PERMANENT", Reason.PERMANENT_ERROR) if exc.permanent else ("ERROR", Reason.ERROR)
+            outcome, reason = (
+                ("PERMANENT", Reason.PERMANENT_ERROR) if exc.permanent else ("ERROR", Reason.ERROR)
+            )
             return self.settle(outcome, reason, str(exc))
         except Exception as exc:  # noqa: BLE001 - any failure of a connector is the attempt's
             if self.control.cause is not None:
@@ -212,18 +234,25 @@ class Runner:
             self._log("attempt error %s", type(exc).__name__, level=logging.WARNING)
             return self.settle("ERROR", Reason.ERROR, f"{type(exc).__name__}: {exc}")
         self.control.rows_written = max(self.control.rows_written, result.rows_written)
-        reason = Reason.ALREADY_COMMITTED if result.already_committed else None
-        return self.settle("SUCCEEDED", reason)
+        return self.settle(
+            "SUCCEEDED", Reason.ALREADY_COMMITTED if result.already_committed else None
+        )
 
     def _stopped(self, exc: BaseException) -> str | None:
         cause = self.control.cause
         if cause is StopCause.CANCEL:
             return self.settle("CANCELLED", Reason.CANCELLED_BY_OPERATOR)
         if cause is StopCause.TIMEOUT:
-            return self.settle("ERROR", Reason.TIMEOUT, f"timed out after {self.claimed.timeout_seconds}s")
+            return self.settle(
+                "ERROR", Reason.TIMEOUT, f"timed out after {self.claimed.timeout_seconds}s"
+            )
         # LEASE_LOST or RELEASED (or a sink that found the lease lost): the attempt is no
         # longer ours; record nothing.
         self.on_event("lease_lost" if cause is not StopCause.RELEASED else "released_stopped")
-        self._log("attempt stopped without recording cause=%s detail=%s",
-                  cause.value if cause else "lease_lost", exc, level=logging.WARNING)
+        self._log(
+            "attempt stopped without recording cause=%s detail=%s",
+            cause.value if cause else "lease_lost",
+            exc,
+            level=logging.WARNING,
+        )
         return None

@@ -64,9 +64,13 @@ def notify(run_id: uuid.UUID | str) -> None:
     statement = "notify_in_transaction" if connection.in_atomic_block else "notify"
     try:
         with connection.cursor() as cursor:
-            cursor.execute(sqlfiles.query(statement), {"channel": conf.channel(), "payload": str(run_id)})
+            cursor.execute(
+                sqlfiles.query(statement), {"channel": conf.channel(), "payload": str(run_id)}
+            )
     except Exception:  # noqa: BLE001 - the trigger has committed; never undo or fail it
-        log.warning("wake-up for run=%s not sent; workers will find it by polling", run_id, exc_info=True)
+        log.warning(
+            "wake-up for run=%s not sent; workers will find it by polling", run_id, exc_info=True
+        )
 
 
 def _notify_on_commit(run_id: uuid.UUID) -> None:
@@ -111,12 +115,19 @@ def trigger(
     try:
         with transaction.atomic():
             run = Run.objects.create(
-                binding=binding, trigger=trigger, status=Status.PENDING,
-                idempotency_key=idempotency_key, requested_by=_who(requested_by),
-                schedule_id=schedule_id, scheduled_for=scheduled_for,
+                binding=binding,
+                trigger=trigger,
+                status=Status.PENDING,
+                idempotency_key=idempotency_key,
+                requested_by=_who(requested_by),
+                schedule_id=schedule_id,
+                scheduled_for=scheduled_for,
             )
             Attempt.objects.create(
-                run=run, number=1, origin=Origin.TRIGGER, status=Status.PENDING,
+                run=run,
+                number=1,
+                origin=Origin.TRIGGER,
+                status=Status.PENDING,
                 blocked_reason=_blocked_reason(binding),
             )
             _notify_on_commit(run.id)
@@ -149,7 +160,9 @@ def cancel_run(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
     with transaction.atomic():
         locked, live = _lock_run(run)
         if live is None:
-            raise ActionRefused("ALREADY_FINISHED", f"Run {locked.pk} has already finished ({locked.status}).")
+            raise ActionRefused(
+                "ALREADY_FINISHED", f"Run {locked.pk} has already finished ({locked.status})."
+            )
         if live.status == Status.PENDING:
             Attempt.objects.filter(pk=live.pk, status=Status.PENDING).update(
                 status=Status.CANCELLED, reason=Reason.CANCELLED_BY_OPERATOR, finished_at=Now()
@@ -182,7 +195,9 @@ def retry_run(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
                 f"Run {locked.pk} is {locked.status}; only FAILED or CANCELLED runs can be retried.",
             )
         number = (locked.attempts.aggregate(n=Max("number"))["n"] or 0) + 1
-        Attempt.objects.create(run=locked, number=number, origin=Origin.OPERATOR, status=Status.PENDING)
+        Attempt.objects.create(
+            run=locked, number=number, origin=Origin.OPERATOR, status=Status.PENDING
+        )
         Run.objects.filter(pk=locked.pk).update(
             status=Status.PENDING, finished_at=None, cancel_requested_at=None
         )
@@ -196,13 +211,17 @@ def run_now(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
     with transaction.atomic():
         locked, live = _lock_run(run)
         if live is None:
-            raise ActionRefused("ALREADY_FINISHED", f"Run {locked.pk} has already finished ({locked.status}).")
+            raise ActionRefused(
+                "ALREADY_FINISHED", f"Run {locked.pk} has already finished ({locked.status})."
+            )
         changed = Attempt.objects.filter(
             pk=live.pk, status=Status.PENDING, available_at__gt=Now()
         ).update(available_at=Now())
         if not changed:
             state = "is running" if live.status == Status.RUNNING else "is already due"
-            raise ActionRefused("NOT_WAITING", f"Run {locked.pk} {state}; it is not waiting on a backoff.")
+            raise ActionRefused(
+                "NOT_WAITING", f"Run {locked.pk} {state}; it is not waiting on a backoff."
+            )
         _notify_on_commit(locked.pk)
     log.info("run made available run=%s attempt=%s by=%s", locked.pk, live.number, _who(by))
     return Outcome.MADE_AVAILABLE
@@ -219,14 +238,27 @@ def release_attempt(attempt: Attempt | uuid.UUID | str, *, by: Any = None) -> Ou
         if live is None or live.pk != uuid.UUID(str(attempt_id)) or live.status != Status.RUNNING:
             raise ActionRefused("NOT_RUNNING", f"Attempt {attempt_id} is not running.")
         with connection.cursor() as cursor:
-            cursor.execute(sqlfiles.query("settle"), {
-                "attempt": live.pk, "token": live.lease_token, "outcome": "RELEASE",
-                "reason": Reason.RELEASED_BY_OPERATOR, "error": None,
-                "rows_read": None, "rows_written": None,
-            })
+            cursor.execute(
+                sqlfiles.query("settle"),
+                {
+                    "attempt": live.pk,
+                    "token": live.lease_token,
+                    "outcome": "RELEASE",
+                    "reason": Reason.RELEASED_BY_OPERATOR,
+                    "error": None,
+                    "rows_read": None,
+                    "rows_written": None,
+                },
+            )
             (status,) = cursor.fetchone()
         if status is None:  # cannot happen while we hold the locks; never guess
             raise ActionRefused("NOT_RUNNING", f"Attempt {attempt_id} is not running.")
         _notify_on_commit(locked.pk)
-    log.info("attempt released run=%s attempt=%s worker=%s by=%s", locked.pk, live.number, live.worker_id, _who(by))
+    log.info(
+        "attempt released run=%s attempt=%s worker=%s by=%s",
+        locked.pk,
+        live.number,
+        live.worker_id,
+        _who(by),
+    )
     return Outcome.RELEASED

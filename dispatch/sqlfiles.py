@@ -31,7 +31,9 @@ def install(name: str) -> Any:
 def _queries() -> dict[str, str]:
     text = (SQL_DIR / "queries.sql").read_text()
     parts = _NAME.split(text)
-    return {name: body.strip().rstrip(";") for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+    return {
+        name: body.strip().rstrip(";") for name, body in zip(parts[1::2], parts[2::2], strict=True)
+    }
 
 
 def query(name: str) -> str:

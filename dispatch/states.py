@@ -65,11 +65,17 @@ class Reason(models.TextChoices):
     """Why an attempt ended the way it did (`Attempt.reason`). The single list of codes."""
 
     ERROR = "ERROR", "The connector raised an error; retried per policy"
-    PERMANENT_ERROR = "PERMANENT_ERROR", "A permanent error (bad credentials, missing table); not retried"
+    PERMANENT_ERROR = (
+        "PERMANENT_ERROR",
+        "A permanent error (bad credentials, missing table); not retried",
+    )
     LEASE_EXPIRED = "LEASE_EXPIRED", "The worker stopped heartbeating; settled by recovery"
     CANCELLED_BY_OPERATOR = "CANCELLED_BY_OPERATOR", "An operator cancelled the run"
     TIMEOUT = "TIMEOUT", "The job's timeout_seconds elapsed"
-    SNAPSHOT_UNREADABLE = "SNAPSHOT_UNREADABLE", "The encrypted snapshot could not be decrypted or verified"
+    SNAPSHOT_UNREADABLE = (
+        "SNAPSHOT_UNREADABLE",
+        "The encrypted snapshot could not be decrypted or verified",
+    )
     SHUTDOWN_RELEASED = "SHUTDOWN_RELEASED", "A draining worker released the attempt"
     RELEASED_BY_OPERATOR = "RELEASED_BY_OPERATOR", "An operator released the attempt"
     ALREADY_COMMITTED = "ALREADY_COMMITTED", "The run's data was already committed to the sink"

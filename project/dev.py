@@ -78,12 +78,22 @@ def cmd_run() -> int:
         manage("migrate", "--no-input", "-v", "0", env=env)
         manage("seed_demo", "--admin-password", demo_password(), env=env)
         print(f"\n  Admin:  http://127.0.0.1:{port}/admin/   (see the login above)\n", flush=True)
-        procs.append(subprocess.Popen(
-            [PYTHON, str(ROOT / "manage.py"), "runserver", f"127.0.0.1:{port}", "--noreload"],
-            env=env, cwd=ROOT, start_new_session=True))
-        procs.append(subprocess.Popen(
-            [PYTHON, str(ROOT / "manage.py"), "runworker", "--concurrency", "2"],
-            env=env, cwd=ROOT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [PYTHON, str(ROOT / "manage.py"), "runserver", f"127.0.0.1:{port}", "--noreload"],
+                env=env,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+        )
+        procs.append(
+            subprocess.Popen(
+                [PYTHON, str(ROOT / "manage.py"), "runworker", "--concurrency", "2"],
+                env=env,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+        )
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _interrupt)
         while all(p.poll() is None for p in procs):

@@ -43,8 +43,10 @@ class EmbeddedPostgres:
         try:
             pwd.getpwnam(USER)
         except KeyError:
-            subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER],
-                           check=True)
+            subprocess.run(
+                ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER],
+                check=True,
+            )
         info = pwd.getpwnam(USER)
         # The server must be able to reach its binaries and data directory.
         for path in [bin_dir().parent, *bin_dir().parent.parents]:
@@ -68,8 +70,11 @@ class EmbeddedPostgres:
     def running(self) -> bool:
         if not self.initialized():
             return False
-        result = subprocess.run([self._tool("pg_ctl"), "status", "-D", str(self.data_dir)],
-                                capture_output=True, **self._run_as())  # type: ignore[call-overload]
+        result = subprocess.run(
+            [self._tool("pg_ctl"), "status", "-D", str(self.data_dir)],
+            capture_output=True,
+            **self._run_as(),
+        )  # type: ignore[call-overload]
         return result.returncode == 0
 
     def start(self) -> None:
@@ -79,23 +84,52 @@ class EmbeddedPostgres:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             self._chown(self.data_dir)
             subprocess.run(
-                [self._tool("initdb"), "-D", str(self.data_dir), "-U", "postgres", "--auth=trust",
-                 "--encoding=UTF8", "--no-instructions"],
-                check=True, stdout=subprocess.DEVNULL, **run_as)  # type: ignore[call-overload]
+                [
+                    self._tool("initdb"),
+                    "-D",
+                    str(self.data_dir),
+                    "-U",
+                    "postgres",
+                    "--auth=trust",
+                    "--encoding=UTF8",
+                    "--no-instructions",
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                **run_as,
+            )  # type: ignore[call-overload]
         if self.running():
             return
         self.log_file.touch()
         self._chown(self.log_file)
-        options = (f"-p {self.port} -h 127.0.0.1 -c unix_socket_directories='' "
-                   "-c max_connections=200 -c fsync=on")
+        options = (
+            f"-p {self.port} -h 127.0.0.1 -c unix_socket_directories='' "
+            "-c max_connections=200 -c fsync=on"
+        )
         result = subprocess.run(
-            [self._tool("pg_ctl"), "start", "-w", "-t", "60", "-D", str(self.data_dir),
-             "-l", str(self.log_file), "-o", options],
-            capture_output=True, text=True, **run_as)  # type: ignore[call-overload]
+            [
+                self._tool("pg_ctl"),
+                "start",
+                "-w",
+                "-t",
+                "60",
+                "-D",
+                str(self.data_dir),
+                "-l",
+                str(self.log_file),
+                "-o",
+                options,
+            ],
+            capture_output=True,
+            text=True,
+            **run_as,
+        )  # type: ignore[call-overload]
         if result.returncode != 0:
             tail = self.log_file.read_text()[-2000:] if self.log_file.exists() else ""
-            raise SystemExit(f"embedded PostgreSQL did not start on port {self.port}:\n"
-                             f"{result.stdout}{result.stderr}\n{tail}")
+            raise SystemExit(
+                f"embedded PostgreSQL did not start on port {self.port}:\n"
+                f"{result.stdout}{result.stderr}\n{tail}"
+            )
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 30.0) -> None:
@@ -113,8 +147,12 @@ class EmbeddedPostgres:
 
     def stop(self, mode: str = "fast") -> None:
         if self.running():
-            subprocess.run([self._tool("pg_ctl"), "stop", "-w", "-m", mode, "-D", str(self.data_dir)],
-                           check=False, capture_output=True, **self._run_as())  # type: ignore[call-overload]
+            subprocess.run(
+                [self._tool("pg_ctl"), "stop", "-w", "-m", mode, "-D", str(self.data_dir)],
+                check=False,
+                capture_output=True,
+                **self._run_as(),
+            )  # type: ignore[call-overload]
 
     def restart(self, mode: str = "immediate") -> None:
         self.stop(mode)

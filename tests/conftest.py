@@ -19,8 +19,13 @@ ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 
-def wait_until(predicate: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.05,
-               message: str = "condition") -> T:
+def wait_until(
+    predicate: Callable[[], T],
+    *,
+    timeout: float = 30.0,
+    interval: float = 0.05,
+    message: str = "condition",
+) -> T:
     """Poll `predicate` until it returns something truthy; fail after `timeout` seconds.
     This waits for an observable state, never for a guessed duration."""
     deadline = time.monotonic() + timeout
@@ -44,8 +49,12 @@ test_database_url.__test__ = False  # type: ignore[attr-defined]  # a helper, no
 
 
 def worker_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "DATABASE_URL": test_database_url(),
-           "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "DATABASE_URL": test_database_url(),
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PYTHONUNBUFFERED": "1",
+    }
     env.update(extra)
     return env
 
@@ -62,7 +71,10 @@ class Processes:
         log = open(self.tmp_path / f"proc-{len(self.procs)}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(
             [sys.executable, str(ROOT / "manage.py"), *args],
-            env=env or worker_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env=env or worker_env(),
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         proc.log_path = log.name  # type: ignore[attr-defined]
         self.procs.append(proc)

@@ -58,7 +58,10 @@ def test_claim__writes_lease_snapshot_and_versions_in_database_time():
     assert (a.lease_until - a.claimed_at).total_seconds() == 7
     assert (a.source_id, a.sink_id) == (binding.source_id, binding.sink_id)
     assert (a.source_version, a.sink_version) == (1, 1)
-    assert crypto.decrypt_config(a.source_snapshot, expected_id=binding.source_id, expected_version=1) == {}
+    assert (
+        crypto.decrypt_config(a.source_snapshot, expected_id=binding.source_id, expected_version=1)
+        == {}
+    )
     assert a.source_redacted == {} and a.sink_redacted == {}
     assert Run.objects.get(pk=run.pk).status == Status.RUNNING
 
@@ -82,7 +85,9 @@ def test_claim__respects_max_concurrency():
 
 def test_claim__not_yet_available_is_not_picked():
     run = trigger(BindingFactory())
-    Attempt.objects.filter(run=run).update(available_at=Run.objects.get(pk=run.pk).created_at.replace(year=2999))
+    Attempt.objects.filter(run=run).update(
+        available_at=Run.objects.get(pk=run.pk).created_at.replace(year=2999)
+    )
     assert claims.claim("w1", run_id=run.id, limit=1) == []
 
 
@@ -103,13 +108,20 @@ def test_claim__snapshot_is_immutable_and_next_attempt_sees_the_edit():
     assert Datasource.objects.get(pk=source.pk).version == 2
     a1 = Attempt.objects.get(pk=first.attempt_id)
     assert a1.source_version == 1
-    assert crypto.decrypt_config(a1.source_snapshot, expected_id=source.pk, expected_version=1) == {}
+    assert (
+        crypto.decrypt_config(a1.source_snapshot, expected_id=source.pk, expected_version=1) == {}
+    )
     # The attempt fails; its successor's claim takes the new version.
-    assert claims.settle(first.attempt_id, first.lease_token, "ERROR", reason="ERROR", error="boom") == "RETRY_SCHEDULED"
+    assert (
+        claims.settle(first.attempt_id, first.lease_token, "ERROR", reason="ERROR", error="boom")
+        == "RETRY_SCHEDULED"
+    )
     second = claim_one(limit=1)
     assert second.run_id == run.id and second.source_version == 2
     a2 = Attempt.objects.get(pk=second.attempt_id)
-    assert crypto.decrypt_config(a2.source_snapshot, expected_id=source.pk, expected_version=2) == {"x": 1}
+    assert crypto.decrypt_config(a2.source_snapshot, expected_id=source.pk, expected_version=2) == {
+        "x": 1
+    }
 
 
 def test_claim__binding_disabled_blocks_new_claims_and_leaves_running_attempt():
@@ -184,7 +196,9 @@ def test_claim__opposite_roles_claimed_concurrently_never_deadlock():
 
     done = in_threads(6, work)
     assert sum(done) == 120
-    assert set(Run.objects.filter(pk__in=runs).values_list("status", flat=True)) == {Status.SUCCEEDED}
+    assert set(Run.objects.filter(pk__in=runs).values_list("status", flat=True)) == {
+        Status.SUCCEEDED
+    }
 
 
 PROBE = """
@@ -207,16 +221,27 @@ def test_claim__two_processes_race_the_directed_claim_exactly_one_wins():
     with raw_connection() as gate:
         gate.execute("SELECT pg_advisory_lock(4242)")
         procs = [
-            subprocess.Popen([sys.executable, "-c", PROBE, f"racer-{i}", str(target.id)],
-                             cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                [sys.executable, "-c", PROBE, f"racer-{i}", str(target.id)],
+                cwd=ROOT,
+                env=worker_env(),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             for i in range(2)
         ]
         # Both probes are connected and waiting at the gate before it opens.
         from tests.conftest import wait_until
 
-        wait_until(lambda: gate.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted").fetchone()[0] == 2,
-            message="both racers at the gate")
+        wait_until(
+            lambda: (
+                gate.execute(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                ).fetchone()[0]
+                == 2
+            ),
+            message="both racers at the gate",
+        )
         gate.commit()
         gate.execute("SELECT pg_advisory_unlock(4242)")
         outputs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]

@@ -31,7 +31,9 @@ def test_recover__cancel_requested_becomes_cancelled():
 
 
 def test_recover__retry_allowed_schedules_one_new_attempt_after_backoff():
-    run = trigger(BindingFactory(job__max_attempts=3, job__backoff_seconds=60, job__backoff_max_seconds=600))
+    run = trigger(
+        BindingFactory(job__max_attempts=3, job__backoff_seconds=60, job__backoff_max_seconds=600)
+    )
     c = claim_one()
     expire(Attempt(pk=c.attempt_id))
     assert [r.outcome for r in claims.recover()] == [Status.RETRY_SCHEDULED]
@@ -59,7 +61,9 @@ def test_recover__budget_exhausted_fails_with_lease_expired():
 
 
 def test_recover__backoff_is_exponential_and_capped():
-    run = trigger(BindingFactory(job__max_attempts=10, job__backoff_seconds=10, job__backoff_max_seconds=25))
+    run = trigger(
+        BindingFactory(job__max_attempts=10, job__backoff_seconds=10, job__backoff_max_seconds=25)
+    )
     delays = []
     for _ in range(3):
         Attempt.objects.filter(run=run, status=Status.PENDING).update(available_at=F("created_at"))
@@ -83,7 +87,9 @@ def test_recover__two_passes_at_once_create_one_new_attempt_each():
     assert sum(len(r) for r in results) == 40
     for run in runs:
         assert [(a.number, a.status) for a in attempts_of(run)] == [
-            (1, Status.RETRY_SCHEDULED), (2, Status.PENDING)]
+            (1, Status.RETRY_SCHEDULED),
+            (2, Status.PENDING),
+        ]
 
 
 def test_recover__leaves_unexpired_leases_alone():
@@ -113,7 +119,7 @@ def test_completion__after_expiry_but_before_recovery_succeeds():
 
 
 def test_stale_worker__cannot_heartbeat_or_succeed_after_recovery():
-    run = trigger(BindingFactory(job__max_attempts=3))
+    trigger(BindingFactory(job__max_attempts=3))
     stale = claim_one("stale")
     expire(Attempt(pk=stale.attempt_id))
     claims.recover()
@@ -137,7 +143,9 @@ def test_stale_worker__fenced_once_a_successor_is_claimed():
     assert beat(fresh, "fresh")
     assert claims.settle(fresh.attempt_id, fresh.lease_token, "SUCCEEDED") == Status.SUCCEEDED
     assert [(a.status, a.reason) for a in attempts_of(run)] == [
-        (Status.RETRY_SCHEDULED, Reason.LEASE_EXPIRED), (Status.SUCCEEDED, None)]
+        (Status.RETRY_SCHEDULED, Reason.LEASE_EXPIRED),
+        (Status.SUCCEEDED, None),
+    ]
 
 
 def test_heartbeat__extends_lease_and_reports_cancel_request():
@@ -160,26 +168,40 @@ def test_heartbeat__another_workers_token_is_refused():
 def test_error__retries_then_fails_permanently_or_by_budget():
     run = trigger(BindingFactory(job__max_attempts=2))
     c = claim_one()
-    assert claims.settle(c.attempt_id, c.lease_token, "ERROR", reason=Reason.ERROR, error="e1") == Status.RETRY_SCHEDULED
+    assert (
+        claims.settle(c.attempt_id, c.lease_token, "ERROR", reason=Reason.ERROR, error="e1")
+        == Status.RETRY_SCHEDULED
+    )
     c = claim_one()
-    assert claims.settle(c.attempt_id, c.lease_token, "ERROR", reason=Reason.ERROR, error="e2") == Status.FAILED
+    assert (
+        claims.settle(c.attempt_id, c.lease_token, "ERROR", reason=Reason.ERROR, error="e2")
+        == Status.FAILED
+    )
     assert [(a.status, a.error) for a in attempts_of(run)] == [
-        (Status.RETRY_SCHEDULED, "e1"), (Status.FAILED, "e2")]
+        (Status.RETRY_SCHEDULED, "e1"),
+        (Status.FAILED, "e2"),
+    ]
 
 
 def test_error__permanent_is_not_retried():
     run = trigger(BindingFactory(job__max_attempts=5))
     c = claim_one()
-    status = claims.settle(c.attempt_id, c.lease_token, "PERMANENT", reason=Reason.PERMANENT_ERROR, error="no table")
+    status = claims.settle(
+        c.attempt_id, c.lease_token, "PERMANENT", reason=Reason.PERMANENT_ERROR, error="no table"
+    )
     assert status == Status.FAILED
-    assert [(a.status, a.reason) for a in attempts_of(run)] == [(Status.FAILED, Reason.PERMANENT_ERROR)]
+    assert [(a.status, a.reason) for a in attempts_of(run)] == [
+        (Status.FAILED, Reason.PERMANENT_ERROR)
+    ]
 
 
 def test_error__cancel_request_wins_over_retry():
     run = trigger(BindingFactory(job__max_attempts=5))
     c = claim_one()
     services.cancel_run(run)
-    assert claims.settle(c.attempt_id, c.lease_token, "ERROR", reason=Reason.ERROR) == Status.CANCELLED
+    assert (
+        claims.settle(c.attempt_id, c.lease_token, "ERROR", reason=Reason.ERROR) == Status.CANCELLED
+    )
 
 
 def test_budget__release_successors_do_not_count_and_operator_retry_opens_a_new_budget():
@@ -187,16 +209,27 @@ def test_budget__release_successors_do_not_count_and_operator_retry_opens_a_new_
     c = claim_one()
     services.release_attempt(Attempt(pk=c.attempt_id))  # RELEASE successor: outside the budget
     c = claim_one()
-    assert claims.settle(c.attempt_id, c.lease_token, "ERROR", reason=Reason.ERROR) == Status.RETRY_SCHEDULED
+    assert (
+        claims.settle(c.attempt_id, c.lease_token, "ERROR", reason=Reason.ERROR)
+        == Status.RETRY_SCHEDULED
+    )
     c = claim_one()
     assert claims.settle(c.attempt_id, c.lease_token, "ERROR", reason=Reason.ERROR) == Status.FAILED
     services.retry_run(run)
     c = claim_one()
-    assert claims.settle(c.attempt_id, c.lease_token, "ERROR", reason=Reason.ERROR) == Status.RETRY_SCHEDULED
+    assert (
+        claims.settle(c.attempt_id, c.lease_token, "ERROR", reason=Reason.ERROR)
+        == Status.RETRY_SCHEDULED
+    )
     # Attempt 1 (released) and its RELEASE successor 2 are one try; 3 is the second and
     # last of the budget; the operator's retry (4) opens a new budget, so 5 is allowed.
     assert [a.origin for a in attempts_of(run)] == [
-        Origin.TRIGGER, Origin.RELEASE, Origin.RETRY, Origin.OPERATOR, Origin.RETRY]
+        Origin.TRIGGER,
+        Origin.RELEASE,
+        Origin.RETRY,
+        Origin.OPERATOR,
+        Origin.RETRY,
+    ]
 
 
 def test_lease_seconds_below_two_is_rejected_by_the_database():

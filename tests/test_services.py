@@ -38,7 +38,12 @@ def test_trigger__creates_run_and_attempt_one_and_notifies_only_the_run_id():
         assert received(conn) == [str(run.id)]
     [a] = attempts_of(run)
     assert (run.status, run.trigger, run.requested_by) == (Status.PENDING, Trigger.MANUAL, "alice")
-    assert (a.number, a.origin, a.status, a.blocked_reason) == (1, Origin.TRIGGER, Status.PENDING, None)
+    assert (a.number, a.origin, a.status, a.blocked_reason) == (
+        1,
+        Origin.TRIGGER,
+        Status.PENDING,
+        None,
+    )
     assert a.available_at == a.created_at
 
 
@@ -97,7 +102,11 @@ def test_cancel__pending_run_is_cancelled_at_once():
     assert services.cancel_run(run) == Outcome.CANCELLED
     run.refresh_from_db()
     [a] = attempts_of(run)
-    assert (run.status, a.status, a.reason) == (Status.CANCELLED, Status.CANCELLED, Reason.CANCELLED_BY_OPERATOR)
+    assert (run.status, a.status, a.reason) == (
+        Status.CANCELLED,
+        Status.CANCELLED,
+        Reason.CANCELLED_BY_OPERATOR,
+    )
     assert claims.claim("w1", limit=1) == []
 
 
@@ -157,10 +166,16 @@ def test_cancel__racing_a_completion_has_one_outcome():
         result: dict[str, object] = {}
         t = threading.Thread(target=lambda: result.update(outcome=_cancel_or_refusal(run)))
         t.start()
-        wait_until(lambda: holder.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted").fetchone()[0],
-            message="cancel waiting on the run lock")
-        holder.execute("SELECT dispatch_settle_v1(%s, %s, 'SUCCEEDED', NULL, NULL, 1, 1)", [c.attempt_id, c.lease_token])
+        wait_until(
+            lambda: holder.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted"
+            ).fetchone()[0],
+            message="cancel waiting on the run lock",
+        )
+        holder.execute(
+            "SELECT dispatch_settle_v1(%s, %s, 'SUCCEEDED', NULL, NULL, 1, 1)",
+            [c.attempt_id, c.lease_token],
+        )
         holder.commit()
         t.join(30)
     # ... so the cancel, which waited, sees the finished run: exactly one outcome.
@@ -190,7 +205,9 @@ def test_retry__failed_run_gets_an_operator_attempt_and_clears_the_cancel_reques
     run.refresh_from_db()
     assert (run.status, run.cancel_requested_at, run.finished_at) == (Status.PENDING, None, None)
     assert [(a.number, a.origin, a.status) for a in attempts_of(run)] == [
-        (1, Origin.TRIGGER, Status.CANCELLED), (2, Origin.OPERATOR, Status.PENDING)]
+        (1, Origin.TRIGGER, Status.CANCELLED),
+        (2, Origin.OPERATOR, Status.PENDING),
+    ]
 
 
 @pytest.mark.parametrize("state", ["pending", "running", "succeeded"])

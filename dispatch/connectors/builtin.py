@@ -71,7 +71,9 @@ class GenerateConnector(Connector):
 
 
 class _GenerateReader:
-    def __init__(self, connector: type[GenerateConnector], spec: dict[str, Any], ctx: TransferContext):
+    def __init__(
+        self, connector: type[GenerateConnector], spec: dict[str, Any], ctx: TransferContext
+    ):
         self.columns = list(connector.COLUMNS)
         self.connector = connector
         self.spec = spec
@@ -117,7 +119,10 @@ class NullConnector(Connector):
     @classmethod
     @contextlib.contextmanager
     def open_writer(
-        cls, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext,
+        cls,
+        config: dict[str, Any],
+        spec: dict[str, Any],
+        ctx: TransferContext,
         columns: list[Column],
     ) -> Iterator[Any]:
         yield _NullWriter()

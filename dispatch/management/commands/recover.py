@@ -15,4 +15,6 @@ class Command(BaseCommand):
         blocked = claims.refresh_blocked()
         for r in settled:
             self.stdout.write(f"run {r.run_id} attempt {r.number}: {r.outcome}")
-        self.stdout.write(f"settled {len(settled)} expired attempt(s); {blocked} blocked reason(s) updated")
+        self.stdout.write(
+            f"settled {len(settled)} expired attempt(s); {blocked} blocked reason(s) updated"
+        )

@@ -17,13 +17,23 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--concurrency", type=int, default=1, help="executor slots (default 1)")
-        parser.add_argument("--poll-interval", type=float, default=None,
-                            help="seconds between polls (default DISPATCH_POLL_INTERVAL)")
+        parser.add_argument(
+            "--poll-interval",
+            type=float,
+            default=None,
+            help="seconds between polls (default DISPATCH_POLL_INTERVAL)",
+        )
         parser.add_argument("--worker-id", default=None, help="default: host:pid:random")
-        parser.add_argument("--scheduler", action="store_true",
-                            help="also run the schedule reconciler loop in this process")
-        parser.add_argument("--burst", action="store_true",
-                            help="exit once nothing is claimable now and executions have finished")
+        parser.add_argument(
+            "--scheduler",
+            action="store_true",
+            help="also run the schedule reconciler loop in this process",
+        )
+        parser.add_argument(
+            "--burst",
+            action="store_true",
+            help="exit once nothing is claimable now and executions have finished",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["concurrency"] < 1:

@@ -14,21 +14,32 @@ class Command(BaseCommand):
     help = "Create a demo (datasources, jobs, bindings) and an admin login; idempotent."
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("--admin-password", default=None,
-                            help="set the 'admin' login to this password (default: a new random one "
-                            "when the user does not exist yet)")
+        parser.add_argument(
+            "--admin-password",
+            default=None,
+            help="set the 'admin' login to this password (default: a new random one "
+            "when the user does not exist yet)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         with transaction.atomic():
-            generate, _ = Datasource.objects.get_or_create(name="demo-generator", defaults={"kind": "generate", "config": {}})
-            discard, _ = Datasource.objects.get_or_create(name="demo-discard", defaults={"kind": "null", "config": {}})
+            generate, _ = Datasource.objects.get_or_create(
+                name="demo-generator", defaults={"kind": "generate", "config": {}}
+            )
+            discard, _ = Datasource.objects.get_or_create(
+                name="demo-discard", defaults={"kind": "null", "config": {}}
+            )
             job, _ = Job.objects.get_or_create(
                 name="demo-generate-100k",
-                defaults={"source_spec": {"rows": 100_000, "batch": 5000, "delay_ms": 50, "seed": 1},
-                          "sink_spec": {}, "description": "100,000 generated rows, discarded."},
+                defaults={
+                    "source_spec": {"rows": 100_000, "batch": 5000, "delay_ms": 50, "seed": 1},
+                    "sink_spec": {},
+                    "description": "100,000 generated rows, discarded.",
+                },
             )
             JobBinding.objects.get_or_create(
-                name="demo-generate-to-null", defaults={"job": job, "source": generate, "sink": discard}
+                name="demo-generate-to-null",
+                defaults={"job": job, "source": generate, "sink": discard},
             )
         user_model = get_user_model()
         user = user_model.objects.filter(username="admin").first()

@@ -16,17 +16,27 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("binding", help="the binding's id or name")
-        parser.add_argument("--wait", action="store_true",
-                            help="wait for the run to finish; exit 0 only if it SUCCEEDED")
-        parser.add_argument("--timeout", type=float, default=None,
-                            help="with --wait: give up after this many seconds (exit 1)")
+        parser.add_argument(
+            "--wait",
+            action="store_true",
+            help="wait for the run to finish; exit 0 only if it SUCCEEDED",
+        )
+        parser.add_argument(
+            "--timeout",
+            type=float,
+            default=None,
+            help="with --wait: give up after this many seconds (exit 1)",
+        )
         parser.add_argument("--idempotency-key", default=None)
 
     def handle(self, *args: Any, **options: Any) -> None:
         binding = binding_from_arg(options["binding"])
-        run = services.trigger(binding, trigger=Trigger.MANUAL,
-                               idempotency_key=options["idempotency_key"],
-                               requested_by="manage.py trigger")
+        run = services.trigger(
+            binding,
+            trigger=Trigger.MANUAL,
+            idempotency_key=options["idempotency_key"],
+            requested_by="manage.py trigger",
+        )
         self.stdout.write(str(run.id))
         if not options["wait"]:
             return

@@ -1,0 +1,46 @@
+"""The SQL files, named statements, state tables and migrations stay in step."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.db import connection
+
+from dispatch import sqlfiles, states
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_sql_function_file_is_installed_by_a_migration():
+    migrations = "\n".join(p.read_text() for p in (ROOT / "dispatch" / "migrations").glob("0*.py"))
+    files = sorted(p.name for p in (sqlfiles.SQL_DIR / "functions").glob("*.sql"))
+    assert files, "no SQL function files found"
+    for name in files:
+        assert f'install("{name}")' in migrations, f"{name} has no migration"
+
+
+@pytest.mark.django_db
+def test_every_named_statement_is_valid_sql_against_the_schema():
+    names = sqlfiles.query_names()
+    assert {"claim", "settle", "recover", "heartbeat", "notify"} <= set(names)
+    with connection.cursor() as cursor:
+        for name in names:
+            # EXPLAIN plans without executing: syntax, tables, columns and functions exist.
+            statement = re.sub(r"%\((\w+)\)s", "NULL", sqlfiles.query(name))
+            cursor.execute(f"EXPLAIN {statement}")
+    with pytest.raises(KeyError, match="no statement named"):
+        sqlfiles.query("nope")
+
+
+def test_transition_table_covers_every_status():
+    assert set(states.TRANSITIONS) == set(states.Status.values)
+    for targets in states.TRANSITIONS.values():
+        assert targets <= set(states.Status.values)
+
+
+@pytest.mark.django_db
+def test_models_and_migrations_are_in_step():
+    call_command("makemigrations", "--check", "--dry-run", verbosity=0)
