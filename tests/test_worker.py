@@ -269,3 +269,20 @@ def test_worker__burst_exits_when_nothing_is_claimable(processes):
     proc = processes.worker("--burst", "--concurrency", "2")
     assert proc.wait(60) == 0
     assert {status_of(r) for r in runs} == {Status.SUCCEEDED}
+
+
+def test_worker__sleeps_exactly_until_a_retry_is_due_not_until_the_next_poll(processes):
+    binding = BindingFactory(
+        job__max_attempts=2, job__backoff_seconds=2, job__backoff_max_seconds=2,
+        job__source_spec={"rows": 4, "batch": 1, "fail_after": 2},
+    )
+    start_worker(processes, "--poll-interval", "60")
+    run = trigger(binding)
+    finished(run, Status.FAILED, timeout=20)
+    first, second = attempts_of(run)
+    waited = (second.claimed_at - first.finished_at).total_seconds()
+    # Equal jitter puts the retry 1-2 s after the failure; the worker's timer claims it
+    # then, long before its 60 s poll.
+    assert (second.available_at - first.finished_at).total_seconds() >= 1
+    assert second.claimed_at >= second.available_at
+    assert waited < 5
