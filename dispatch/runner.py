@@ -7,6 +7,7 @@ settlement that matches no row means the attempt was lost and nothing is recorde
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import re
@@ -15,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
+from django.db import Error as DjangoDBError
 from django.db import connection
 
 from dispatch import claims, crypto
@@ -25,12 +28,16 @@ from dispatch.connectors.base import (
     FenceRejected,
     LeaseLost,
     Stopped,
+    copy_format,
 )
 from dispatch.states import Reason
 
 log = logging.getLogger("dispatch.runner")
 
 MAX_ERROR_CHARS = 4000
+# Pauses between tries of recording an outcome when the database connection fails
+# (None: give up, and recovery settles the attempt when its lease runs out).
+SETTLE_RETRY_DELAYS: tuple[float | None, ...] = (0.5, 1.0, 2.0, 4.0, None)
 
 
 class StopCause(enum.Enum):
@@ -165,15 +172,32 @@ class Runner:
     def settle(
         self, outcome: str, reason: str | None = None, error: str | None = None
     ) -> str | None:
-        status = claims.settle(
-            self.claimed.attempt_id,
-            self.claimed.lease_token,
-            outcome,
-            reason=reason,
-            error=sanitize(error, self.secrets) if error else None,
-            rows_read=self.control.rows_read,
-            rows_written=self.control.rows_written,
-        )
+        kwargs = {
+            "reason": reason,
+            "error": sanitize(error, self.secrets) if error else None,
+            "rows_read": self.control.rows_read,
+            "rows_written": self.control.rows_written,
+        }
+        # The settlement is guarded by status + token, so repeating it after a lost
+        # connection is safe: if the first one committed, the repeat matches no row.
+        for delay in SETTLE_RETRY_DELAYS:
+            try:
+                status = claims.settle(
+                    self.claimed.attempt_id, self.claimed.lease_token, outcome, **kwargs
+                )
+                break
+            except (DjangoDBError, psycopg.Error) as exc:
+                if delay is None:
+                    raise
+                self._log(
+                    "outcome not recorded yet, retrying in %.1fs error=%s",
+                    delay,
+                    " ".join(str(exc).split())[:200],
+                    level=logging.WARNING,
+                )
+                with contextlib.suppress(Exception):
+                    connection.close()
+                time.sleep(delay)
         if status is None:
             self.on_event("lease_lost")
             self._log(
@@ -209,9 +233,7 @@ class Runner:
         try:
             with source.open_reader(source_config, c.source_spec, ctx) as reader:  # type: ignore[arg-type]
                 with sink.open_writer(sink_config, c.sink_spec, ctx, reader.columns) as writer:  # type: ignore[arg-type]
-                    for batch in reader.batches():
-                        ctx.progress(rows_read=len(batch))
-                        ctx.progress(rows_written=writer.write(batch))
+                    self._transfer(ctx, reader, writer)
                     if self.control.should_stop():
                         raise Stopped("stop before commit")
                     result = writer.commit()
@@ -237,6 +259,22 @@ class Runner:
         return self.settle(
             "SUCCEEDED", Reason.ALREADY_COMMITTED if result.already_committed else None
         )
+
+    @staticmethod
+    def _transfer(ctx: Context, reader: Any, writer: Any) -> None:
+        """Move every row: raw COPY blocks when both sides speak PostgreSQL COPY, else
+        decoded batches. Progress (and so the stop check) follows each block or batch."""
+        if getattr(writer, "already_committed", False):
+            return  # the run's data is already in the sink: nothing to read
+        fmt = copy_format(reader, writer)
+        if fmt is not None:
+            for data, rows in reader.copy_chunks(fmt):
+                ctx.progress(rows_read=rows)
+                ctx.progress(rows_written=writer.write_copy(data, rows))
+            return
+        for batch in reader.batches():
+            ctx.progress(rows_read=len(batch))
+            ctx.progress(rows_written=writer.write(batch))
 
     def _stopped(self, exc: BaseException) -> str | None:
         cause = self.control.cause
