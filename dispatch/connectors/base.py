@@ -104,6 +104,36 @@ class Writer(Protocol):
     def commit(self) -> WriteResult: ...
 
 
+# --- optional: raw COPY pass-through between two PostgreSQL connectors --------------------
+# A reader with `copy_chunks` and a writer with `copy_format` + `write_copy` let the runner
+# move PostgreSQL COPY data without decoding rows. A writer may also set
+# `already_committed = True` when it opens (the run's data is already in the sink): the
+# runner then skips the transfer and calls `commit()` at once.
+
+
+class CopyReader(Protocol):
+    columns: list[Column]
+
+    def copy_chunks(self, fmt: str) -> Iterator[tuple[bytes, int]]:
+        """PostgreSQL COPY data in `fmt` ("binary" or "text"), as (block, rows in it)."""
+
+
+class CopyWriter(Protocol):
+    def copy_format(self, columns: list[Column]) -> str | None:
+        """The COPY format to receive these source columns in, or None for rows."""
+
+    def write_copy(self, data: bytes, rows: int) -> int:
+        """Write one block of COPY data; returns the rows written."""
+
+
+def copy_format(reader: Any, writer: Any) -> str | None:
+    """The COPY format both sides agree on, or None (move decoded rows)."""
+    if not (hasattr(reader, "copy_chunks") and hasattr(writer, "write_copy")):
+        return None
+    fmt = writer.copy_format(reader.columns)
+    return fmt if fmt in ("binary", "text") else None
+
+
 @dataclass(frozen=True)
 class ConfigField:
     name: str

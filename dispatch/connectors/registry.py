@@ -12,6 +12,8 @@ from dispatch.connectors.base import Connector
 BUILTIN = [
     "dispatch.connectors.builtin.GenerateConnector",
     "dispatch.connectors.builtin.NullConnector",
+    "dispatch.connectors.postgresql.PostgreSQLConnector",
+    "dispatch.connectors.csv.CSVConnector",
 ]
 
 

@@ -1,0 +1,341 @@
+"""The `csv` kind: files under one configured base directory, read and written as UTF-8.
+
+Every path is confined to `base_dir`: absolute paths, `..` and symlinks that lead out of
+it are refused. A CSV file cannot take part in the sink fence, so the writer re-checks its
+attempt (`ctx.fence.check()`) immediately before it publishes the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from datetime import date, datetime, time
+from pathlib import PurePosixPath
+from typing import IO, Any
+
+from django.core.exceptions import ValidationError
+
+from dispatch.connectors.base import (
+    Batch,
+    Column,
+    ConfigField,
+    Connector,
+    PermanentError,
+    TransferContext,
+    TransientError,
+    WriteResult,
+    check_unknown,
+    require_object,
+)
+
+BATCH_ROWS = 5000
+SINK_MODES = ("replace", "append")
+
+
+# --- paths ----------------------------------------------------------------------------------
+def check_relative_path(value: Any, field: str = "path") -> str:
+    """The spec-time checks (no base directory needed): relative, no `..`, not empty."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValidationError(f"{field}: must be a file path relative to the base directory")
+    if "\x00" in value:
+        raise ValidationError(f"{field}: must not contain a NUL character")
+    if value.startswith(("/", "\\")) or os.path.isabs(value):
+        raise ValidationError(f"{field}: {value!r} is absolute; give a path relative to base_dir")
+    if ".." in PurePosixPath(value.replace("\\", "/")).parts:
+        raise ValidationError(f"{field}: {value!r} contains '..'; paths stay inside base_dir")
+    return value
+
+
+def resolve(base_dir: str, path: str) -> str:
+    """The real path of `path` under `base_dir`; refuses anything that leaves it."""
+    try:
+        check_relative_path(path)
+    except ValidationError as exc:
+        raise PermanentError(exc.messages[0]) from None
+    base = os.path.realpath(base_dir)
+    if not os.path.isdir(base):
+        raise PermanentError(f"base_dir {base_dir!r} is not an existing directory")
+    # realpath follows every symlink on the way, the last component included, so a link
+    # anywhere in the path that points outside base_dir is caught here.
+    real = os.path.realpath(os.path.join(base, path))
+    if os.path.commonpath([base, real]) != base or real == base:
+        raise PermanentError(f"path {path!r} leaves base_dir (through a symbolic link)")
+    return real
+
+
+# --- values ---------------------------------------------------------------------------------
+def _array_literal(values: list[Any]) -> str:
+    """A PostgreSQL array literal, so an array column read back into PostgreSQL parses."""
+    items = []
+    for v in values:
+        if v is None:
+            items.append("NULL")
+        elif isinstance(v, list):
+            items.append(_array_literal(v))
+        else:
+            text = _text(v, "")
+            items.append('"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"')
+    return "{" + ",".join(items) + "}"
+
+
+def _text(value: Any, column_type: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, datetime | date | time):
+        return value.isoformat()
+    if isinstance(value, bytes | bytearray | memoryview):
+        return "\\x" + bytes(value).hex()
+    if isinstance(value, list) and column_type.endswith("]"):
+        return _array_literal(value)
+    if isinstance(value, dict | list):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+# --- the connector --------------------------------------------------------------------------
+class CSVConnector(Connector):
+    kind = "csv"
+    label = "CSV files"
+    roles = frozenset({"source", "sink"})
+    config_fields = (
+        ConfigField(
+            "base_dir", required=True, help="Absolute directory; every path stays inside it."
+        ),
+    )
+    SOURCE_FIELDS = {"path", "delimiter", "header", "null"}
+    SINK_FIELDS = {"path", "mode", "delimiter", "header", "null"}
+
+    @classmethod
+    def validate_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        config = super().validate_config(config)
+        base = config["base_dir"]
+        if not os.path.isabs(base):
+            raise ValidationError({"base_dir": ["must be an absolute path"]})
+        if not os.path.isdir(base):
+            raise ValidationError({"base_dir": [f"{base!r} is not an existing directory"]})
+        return config
+
+    @classmethod
+    def _common(cls, spec: dict[str, Any]) -> None:
+        if "path" not in spec:
+            raise ValidationError("path: this field is required")
+        check_relative_path(spec["path"])
+        delimiter = spec.get("delimiter", ",")
+        if not isinstance(delimiter, str) or len(delimiter) != 1 or delimiter in '\r\n"':
+            raise ValidationError("delimiter: must be one character (not a quote or newline)")
+        if not isinstance(spec.get("header", True), bool):
+            raise ValidationError("header: must be true or false")
+        if not isinstance(spec.get("null", ""), str):
+            raise ValidationError("null: must be a string (the text that stands for NULL)")
+
+    @classmethod
+    def validate_source_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        spec = require_object(spec, "source_spec")
+        check_unknown(spec, cls.SOURCE_FIELDS)
+        cls._common(spec)
+        return spec
+
+    @classmethod
+    def validate_sink_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        spec = require_object(spec, "sink_spec")
+        check_unknown(spec, cls.SINK_FIELDS)
+        cls._common(spec)
+        if spec.get("mode", "replace") not in SINK_MODES:
+            raise ValidationError(f"mode: must be one of {', '.join(SINK_MODES)}")
+        return spec
+
+    @classmethod
+    def test_connection(cls, config: dict[str, Any]) -> None:
+        base = config.get("base_dir", "")
+        if not os.path.isdir(base):
+            raise PermanentError(f"base_dir {base!r} is not an existing directory")
+        if not os.access(base, os.R_OK | os.X_OK):
+            raise PermanentError(f"base_dir {base!r} is not readable")
+
+    @classmethod
+    @contextlib.contextmanager
+    def open_reader(
+        cls, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext
+    ) -> Iterator[Any]:
+        path = resolve(config["base_dir"], spec["path"])
+        try:
+            handle = open(path, encoding="utf-8-sig", newline="")  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            raise PermanentError(f"source file {spec['path']!r} does not exist") from None
+        except IsADirectoryError:
+            raise PermanentError(f"source path {spec['path']!r} is a directory") from None
+        except OSError as exc:
+            raise TransientError(f"cannot open {spec['path']!r}: {exc.strerror}") from None
+        try:
+            yield _Reader(handle, spec)
+        finally:
+            handle.close()
+
+    @classmethod
+    @contextlib.contextmanager
+    def open_writer(
+        cls,
+        config: dict[str, Any],
+        spec: dict[str, Any],
+        ctx: TransferContext,
+        columns: list[Column],
+    ) -> Iterator[Any]:
+        writer = _Writer(resolve(config["base_dir"], spec["path"]), spec, ctx, columns)
+        try:
+            yield writer
+        finally:
+            writer.discard()
+
+
+class _Reader:
+    def __init__(self, handle: IO[str], spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.null = spec.get("null")
+        self._rows = csv.reader(handle, delimiter=spec.get("delimiter", ","))
+        self._first: list[str] | None = None
+        first = self._next()
+        if first is None:  # an empty file: no columns, no rows
+            self.columns: list[Column] = []
+        elif spec.get("header", True):
+            if any(not name for name in first) or len(set(first)) != len(first):
+                raise PermanentError(
+                    f"{spec['path']!r}: the header needs distinct, non-empty column names"
+                )
+            self.columns = [Column(name) for name in first]
+        else:
+            self.columns = [Column(f"column{i + 1}") for i in range(len(first))]
+            self._first = first
+
+    def _next(self) -> list[str] | None:
+        try:
+            return next(self._rows)
+        except StopIteration:
+            return None
+        except UnicodeDecodeError as exc:
+            raise PermanentError(
+                f"{self.spec['path']!r} is not UTF-8 near line {self._rows.line_num + 1}: "
+                f"{exc.reason}"
+            ) from None
+        except csv.Error as exc:
+            raise PermanentError(
+                f"{self.spec['path']!r} line {self._rows.line_num}: {exc}"
+            ) from None
+
+    def batches(self) -> Iterator[Batch]:
+        width = len(self.columns)
+        batch: Batch = []
+        row = self._first
+        self._first = None
+        if row is None:
+            row = self._next()
+        while row is not None:
+            if len(row) != width:
+                raise PermanentError(
+                    f"{self.spec['path']!r} line {self._rows.line_num}: {len(row)} fields, "
+                    f"expected {width}"
+                )
+            batch.append(row if self.null is None else [None if v == self.null else v for v in row])
+            if len(batch) >= BATCH_ROWS:
+                yield batch
+                batch = []
+            row = self._next()
+        if batch:
+            yield batch
+
+
+class _Writer:
+    """Rows go to a temporary file beside the target; commit publishes it: `replace`
+    renames it over the target (atomic), `append` appends it to the target."""
+
+    def __init__(
+        self, path: str, spec: dict[str, Any], ctx: TransferContext, columns: list[Column]
+    ) -> None:
+        self.path = path
+        self.spec = spec
+        self.ctx = ctx
+        self.columns = columns
+        self.mode = spec.get("mode", "replace")
+        self.null = spec.get("null", "")
+        self.header = bool(spec.get("header", True))
+        self.rows = 0
+        self.types = [c.type for c in columns]
+        directory = os.path.dirname(path)
+        if not os.path.isdir(directory):
+            raise PermanentError(f"the directory of {spec['path']!r} does not exist")
+        try:
+            fd, self.tmp = tempfile.mkstemp(
+                dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
+            )
+        except OSError as exc:
+            raise TransientError(
+                f"cannot write in the directory of {spec['path']!r}: {exc.strerror}"
+            ) from None
+        self.handle: IO[str] | None = open(fd, "w", encoding="utf-8", newline="")  # noqa: SIM115
+        self.csv = csv.writer(
+            self.handle, delimiter=spec.get("delimiter", ","), lineterminator="\n"
+        )
+        if self.header and self.mode == "replace" and columns:
+            self.csv.writerow([c.name for c in columns])
+
+    def write(self, batch: Batch) -> int:
+        null, types = self.null, self.types
+        self.csv.writerows(
+            [null if v is None else _text(v, t) for v, t in zip(row, types, strict=False)]
+            for row in batch
+        )
+        self.rows += len(batch)
+        return len(batch)
+
+    def commit(self) -> WriteResult:
+        assert self.handle is not None
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
+        self.handle = None
+        # The last moment before the data becomes visible: a worker that lost its attempt
+        # (or missed heartbeats for longer than the lease) stops here.
+        self.ctx.fence.check()
+        if self.mode == "replace":
+            mode = os.stat(self.path).st_mode & 0o777 if os.path.exists(self.path) else 0o644
+            os.chmod(self.tmp, mode)
+            os.replace(self.tmp, self.path)  # atomic on POSIX: readers see old or new
+        else:
+            self._append()
+        self._sync_dir()
+        return WriteResult(rows_written=self.rows)
+
+    def _append(self) -> None:
+        # O_NOFOLLOW: the target must not have become a symlink since it was resolved.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        with open(fd, "w", encoding="utf-8", newline="") as out:
+            if self.header and self.columns and os.fstat(fd).st_size == 0:
+                csv.writer(
+                    out, delimiter=self.spec.get("delimiter", ","), lineterminator="\n"
+                ).writerow([c.name for c in self.columns])
+            with open(self.tmp, encoding="utf-8", newline="") as spool:
+                while chunk := spool.read(1 << 20):
+                    out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        os.unlink(self.tmp)
+
+    def _sync_dir(self) -> None:
+        fd = os.open(os.path.dirname(self.path), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def discard(self) -> None:
+        """Remove the temporary file unless commit published it."""
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp)

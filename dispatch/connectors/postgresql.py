@@ -1,0 +1,786 @@
+"""The `postgresql` kind: a source read with COPY in one REPEATABLE READ snapshot, and a
+sink written with COPY in one transaction that ends with the sink-side fence.
+
+See docs/connectors.md for the spec fields, the fencing protocol and the choices made
+(why `replace` deletes inside the load transaction instead of swapping tables).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import select
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+from django.core.exceptions import ValidationError
+from psycopg import pq, sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from dispatch.connectors.base import (
+    Batch,
+    Column,
+    ConfigField,
+    Connector,
+    ConnectorError,
+    FenceRejected,
+    PermanentError,
+    TransferContext,
+    TransientError,
+    WriteResult,
+    check_unknown,
+    int_field,
+    require_object,
+)
+
+SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+SINK_MODES = ("append", "replace", "upsert")
+# Rows per batch on the decoded (row by row) path.
+BATCH_ROWS = 5000
+# The COPY fast path hands the sink blocks of about this size: large enough that the
+# per-block Python work vanishes, small enough that memory stays flat.
+COPY_BLOCK_BYTES = 1 << 20
+CONNECT_TIMEOUT_SECONDS = 10
+DEFAULT_STATEMENT_TIMEOUT_SECONDS = 3600
+DEFAULT_LOCK_TIMEOUT_SECONDS = 10
+
+# SQLSTATE classes (first two characters) and codes whose retry cannot help.
+_PERMANENT_CLASSES = {"28", "3D", "3F", "42", "22", "23", "0A", "2B", "44"}
+_PERMANENT_CODES = {"25006", "21000", "42P10"}  # read-only txn, cardinality, no ON CONFLICT index
+# Everything else is transient: connection exceptions (08), serialization failures and
+# deadlocks (40), resources (53), lock_timeout (55P03), statement_timeout and admin
+# shutdown (57), system errors (58).
+# libpq reports connection-time failures without a SQLSTATE; these texts mean a retry
+# would meet the same refusal.
+_PERMANENT_CONNECT = re.compile(
+    r"password authentication failed|authentication failed|no pg_hba\.conf entry|"
+    r"database \"[^\"]*\" does not exist|role \"[^\"]*\" does not exist|"
+    r"invalid sslmode|certificate verify failed|server does not support SSL|"
+    r"invalid connection option|invalid URI|missing \"=\"",
+    re.IGNORECASE,
+)
+
+
+# --- table names ----------------------------------------------------------------------------
+def parse_table(value: Any, field: str = "table") -> tuple[str | None, str]:
+    """`name` or `schema.name` -> (schema or None, name). Each part becomes an Identifier."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValidationError(f"{field}: must be a table name, 'name' or 'schema.name'")
+    parts = value.strip().split(".")
+    if len(parts) > 2 or any(not p.strip() for p in parts):
+        raise ValidationError(
+            f"{field}: {value!r} is not 'name' or 'schema.name' (exactly one optional dot, "
+            "no empty parts)"
+        )
+    if any('"' in p or "\x00" in p for p in parts):
+        raise ValidationError(f"{field}: write names without quotes; each part is quoted for you")
+    if len(parts) == 1:
+        return None, parts[0].strip()
+    return parts[0].strip(), parts[1].strip()
+
+
+def _table_sql(schema: str, name: str) -> sql.Composed:
+    return sql.SQL("{}.{}").format(sql.Identifier(schema), sql.Identifier(name))
+
+
+# --- errors ---------------------------------------------------------------------------------
+def _scrub(text: str, secrets: list[str]) -> str:
+    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        text = text.replace(secret, "********")
+    # Any URL with credentials that reached an error text.
+    return re.sub(r"(?i)\b(postgres(?:ql)?://)[^/\s@]*@", r"\1********@", text)
+
+
+def classify(exc: BaseException, secrets: list[str], what: str) -> ConnectorError:
+    """Map a psycopg error to a permanent or transient ConnectorError without secrets."""
+    if isinstance(exc, ConnectorError):
+        return exc
+    message = _scrub(" ".join(str(exc).split()), secrets)[:2000]
+    text = f"{what}: {message}" if message else f"{what}: {type(exc).__name__}"
+    state = getattr(exc, "sqlstate", None)
+    if state:
+        if state in _PERMANENT_CODES or state[:2] in _PERMANENT_CLASSES:
+            return PermanentError(f"{text} (SQLSTATE {state})")
+        return TransientError(f"{text} (SQLSTATE {state})")
+    if isinstance(exc, psycopg.OperationalError) and _PERMANENT_CONNECT.search(str(exc)):
+        return PermanentError(text)
+    if isinstance(exc, psycopg.ProgrammingError | psycopg.DataError | psycopg.NotSupportedError):
+        return PermanentError(text)
+    return TransientError(text)
+
+
+@contextlib.contextmanager
+def _errors(secrets: list[str], what: str) -> Iterator[None]:
+    try:
+        yield
+    except psycopg.Error as exc:
+        raise classify(exc, secrets, what) from None
+
+
+# --- connections ----------------------------------------------------------------------------
+def _secrets(config: dict[str, Any]) -> list[str]:
+    values = [str(config[k]) for k in ("password", "url") if config.get(k)]
+    if config.get("url"):
+        with contextlib.suppress(Exception):
+            password = conninfo_to_dict(config["url"]).get("password")
+            if password:
+                values.append(str(password))
+    return values
+
+
+def _conninfo(config: dict[str, Any]) -> str:
+    params = {
+        k: config[k]
+        for k in ("host", "port", "dbname", "user", "password", "sslmode")
+        if config.get(k) not in (None, "")
+    }
+    return make_conninfo(
+        config.get("url") or "",
+        connect_timeout=CONNECT_TIMEOUT_SECONDS,
+        application_name="dispatch",
+        **params,
+    )
+
+
+def connect(config: dict[str, Any], *, what: str = "connect") -> psycopg.Connection[Any]:
+    secrets = _secrets(config)
+    with _errors(secrets, what):
+        return psycopg.connect(_conninfo(config))
+
+
+def _set_timeouts(conn: psycopg.Connection[Any], spec: dict[str, Any]) -> None:
+    """Bound every statement and lock wait of this session, so a hung query cannot hold
+    a lease (or a lock on someone else's table) forever."""
+    statement = int(spec.get("statement_timeout_seconds", DEFAULT_STATEMENT_TIMEOUT_SECONDS))
+    lock = int(spec.get("lock_timeout_seconds", DEFAULT_LOCK_TIMEOUT_SECONDS))
+    conn.execute(
+        "SELECT set_config('statement_timeout', %s, false), set_config('lock_timeout', %s, false),"
+        " set_config('idle_in_transaction_session_timeout', %s, false),"
+        # Fixed output formats: the text COPY data of one session is read by another.
+        " set_config('DateStyle', 'ISO, MDY', false), set_config('IntervalStyle', 'postgres', false),"
+        " set_config('extra_float_digits', '3', false), set_config('bytea_output', 'hex', false)",
+        [f"{statement}s", f"{lock}s", f"{statement}s"],
+    )
+    conn.commit()
+
+
+def _timeouts(spec: dict[str, Any]) -> None:
+    for name in ("statement_timeout_seconds", "lock_timeout_seconds"):
+        int_field(spec, name, default=None, minimum=1)
+
+
+# --- the connector --------------------------------------------------------------------------
+class PostgreSQLConnector(Connector):
+    kind = "postgresql"
+    label = "PostgreSQL"
+    roles = frozenset({"source", "sink"})
+    config_fields = (
+        ConfigField("host", help="Host name or address (or use url)."),
+        ConfigField("port", kind=int, help="Port, default 5432."),
+        ConfigField("dbname", help="Database name."),
+        ConfigField("user", help="Role to connect as."),
+        ConfigField("password", secret=True, help="The role's password."),
+        ConfigField("sslmode", help="disable, allow, prefer, require, verify-ca or verify-full."),
+        ConfigField("url", secret=True, help="postgresql://user:password@host:port/dbname"),
+    )
+    SOURCE_FIELDS = {"table", "query", "statement_timeout_seconds", "lock_timeout_seconds"}
+    SINK_FIELDS = {
+        "table",
+        "mode",
+        "key",
+        "create",
+        "statement_timeout_seconds",
+        "lock_timeout_seconds",
+    }
+
+    @classmethod
+    def validate_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        config = super().validate_config(config)
+        errors: dict[str, list[str]] = {}
+        if config.get("url"):
+            url = str(config["url"])
+            if not url.startswith(("postgres://", "postgresql://")):
+                errors["url"] = ["must start with postgresql:// or postgres://"]
+            else:
+                try:
+                    conninfo_to_dict(url)
+                except psycopg.ProgrammingError:
+                    errors["url"] = ["is not a valid PostgreSQL URL"]
+        elif not config.get("host"):
+            errors["host"] = ["this field is required (or give url)"]
+        if not config.get("url") and not config.get("dbname"):
+            errors["dbname"] = ["this field is required (or give url)"]
+        port = config.get("port")
+        if isinstance(port, int) and not 0 < port < 65536:
+            errors["port"] = ["must be between 1 and 65535"]
+        if config.get("sslmode") and config["sslmode"] not in SSLMODES:
+            errors["sslmode"] = [f"must be one of {', '.join(SSLMODES)}"]
+        if errors:
+            raise ValidationError(errors)
+        return config
+
+    @classmethod
+    def validate_source_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        spec = require_object(spec, "source_spec")
+        check_unknown(spec, cls.SOURCE_FIELDS)
+        has_table, has_query = bool(spec.get("table")), bool(spec.get("query"))
+        if has_table == has_query:
+            raise ValidationError("give exactly one of table or query")
+        if has_table:
+            parse_table(spec["table"])
+        else:
+            query = spec["query"]
+            if not isinstance(query, str) or not _strip_query(query):
+                raise ValidationError("query: must be a non-empty SQL query text")
+            if ";" in _strip_query(query):
+                raise ValidationError("query: must be one statement (no ';')")
+        _timeouts(spec)
+        return spec
+
+    @classmethod
+    def validate_sink_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        spec = require_object(spec, "sink_spec")
+        check_unknown(spec, cls.SINK_FIELDS)
+        if not spec.get("table"):
+            raise ValidationError("table: this field is required")
+        parse_table(spec["table"])
+        mode = spec.get("mode", "append")
+        if mode not in SINK_MODES:
+            raise ValidationError(f"mode: must be one of {', '.join(SINK_MODES)}")
+        key = spec.get("key")
+        if mode == "upsert":
+            if (
+                not isinstance(key, list)
+                or not key
+                or not all(isinstance(k, str) and k for k in key)
+            ):
+                raise ValidationError("key: upsert needs a non-empty list of column names")
+        elif key is not None:
+            raise ValidationError("key: only used with mode upsert")
+        if not isinstance(spec.get("create", False), bool):
+            raise ValidationError("create: must be true or false")
+        _timeouts(spec)
+        return spec
+
+    @classmethod
+    def test_connection(cls, config: dict[str, Any]) -> None:
+        conn = connect(config, what="test connection")
+        try:
+            with _errors(_secrets(config), "test connection"):
+                conn.execute("SELECT 1")
+        finally:
+            conn.close()
+
+    @classmethod
+    @contextlib.contextmanager
+    def open_reader(
+        cls, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext
+    ) -> Iterator[Any]:
+        reader = _Reader(config, spec)
+        try:
+            reader.open()
+            yield reader
+        finally:
+            reader.close()
+
+    @classmethod
+    @contextlib.contextmanager
+    def open_writer(
+        cls,
+        config: dict[str, Any],
+        spec: dict[str, Any],
+        ctx: TransferContext,
+        columns: list[Column],
+    ) -> Iterator[Any]:
+        writer = _Writer(config, spec, ctx, columns)
+        try:
+            writer.open()
+            yield writer
+        finally:
+            writer.close()
+
+
+def _strip_query(query: str) -> str:
+    return query.strip().rstrip(";").strip()
+
+
+# --- reader ---------------------------------------------------------------------------------
+class _Reader:
+    """One connection, one REPEATABLE READ READ ONLY transaction: every row comes from the
+    same snapshot, and a query that tries to write fails (permanently)."""
+
+    def __init__(self, config: dict[str, Any], spec: dict[str, Any]) -> None:
+        self.config = config
+        self.spec = spec
+        self.secrets = _secrets(config)
+        self.conn: psycopg.Connection[Any] | None = None
+        self.columns: list[Column] = []
+        self.oids: list[int] = []
+
+    def _relation(self) -> sql.Composable:
+        if self.spec.get("table"):
+            schema, name = parse_table(self.spec["table"])
+            ident = _table_sql(schema, name) if schema else sql.Identifier(name)
+            return sql.SQL("SELECT * FROM {}").format(ident)
+        # The query is SQL by design (the job's author wrote it); it runs inside a READ ONLY
+        # transaction, so it cannot change anything.
+        return sql.SQL(_strip_query(self.spec["query"]))  # type: ignore[arg-type]
+
+    def open(self) -> None:
+        self.conn = connect(self.config, what="source connect")
+        with _errors(self.secrets, "source"):
+            _set_timeouts(self.conn, self.spec)
+            self.conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            self.conn.read_only = True
+            # The first statement takes the snapshot; describing the relation inside the
+            # same transaction means the column list and the rows agree.
+            cur = self.conn.execute(
+                sql.SQL("SELECT * FROM ({}) AS q LIMIT 0").format(self._relation())
+            )
+            result = cur.pgresult
+            assert result is not None and cur.description is not None
+            names = [d.name for d in cur.description]
+            self.oids = [result.ftype(i) for i in range(result.nfields)]
+            mods = [result.fmod(i) for i in range(result.nfields)]
+            # format_type(oid, typmod) is exactly what the catalog would say for a table
+            # column: numeric(12,2), character varying(20), integer[] ...
+            types = [
+                row[0]
+                for row in self.conn.execute(
+                    "SELECT format_type(t.oid, t.mod) FROM unnest(%s::oid[], %s::int[])"
+                    " WITH ORDINALITY AS t(oid, mod, n) ORDER BY t.n",
+                    [self.oids, mods],
+                )
+            ]
+            self.columns = [Column(n, t) for n, t in zip(names, types, strict=True)]
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def _copy_sql(self, fmt: str) -> sql.Composed:
+        return sql.SQL("COPY ({}) TO STDOUT (FORMAT {})").format(
+            self._relation(), sql.SQL("BINARY" if fmt == "binary" else "TEXT")
+        )
+
+    def batches(self) -> Iterator[Batch]:
+        """Decoded rows, streamed. Binary when psycopg can load every column in binary."""
+        assert self.conn is not None
+        binary = all(
+            self.conn.adapters.get_loader(oid, pq.Format.BINARY) is not None for oid in self.oids
+        )
+        with _errors(self.secrets, "source read"):
+            cur = self.conn.cursor()
+            with cur.copy(self._copy_sql("binary" if binary else "text")) as copy:
+                copy.set_types(self.oids)
+                batch: Batch = []
+                for row in copy.rows():
+                    batch.append(row)
+                    if len(batch) >= BATCH_ROWS:
+                        yield batch
+                        batch = []
+                if batch:
+                    yield batch
+
+    def copy_chunks(self, fmt: str) -> Iterator[tuple[bytes, int]]:
+        """Raw COPY data in blocks of about COPY_BLOCK_BYTES, with the rows in each block.
+
+        Reads libpq's buffer directly (non-blocking `get_copy_data`, waiting on the socket
+        with select, which releases the GIL): psycopg's per-message generator costs more
+        than the copy itself. PostgreSQL sends one CopyData message per row; in binary the
+        header rides with the first row and the trailer is a message of its own, so the
+        trailer (and only it) is not counted.
+        """
+        assert self.conn is not None
+        conn, pgconn = self.conn, self.conn.pgconn
+        with _errors(self.secrets, "source read"):
+            # Sent on the connection whose transaction (and snapshot) open() began; psycopg
+            # sees the transaction status through libpq, so its state stays consistent.
+            pgconn.send_query(self._copy_sql(fmt).as_bytes(conn))
+            _wait(pgconn)
+            result = pgconn.get_result()
+            if result is None or result.status != pq.ExecStatus.COPY_OUT:
+                _raise_result(pgconn, result)
+            parts: list[bytes] = []
+            size = rows = 0
+            while True:
+                nbytes, data = pgconn.get_copy_data(1)
+                if nbytes > 0:
+                    # Flush before appending, so the last message (the binary trailer)
+                    # is always in the final block.
+                    if size >= COPY_BLOCK_BYTES:
+                        yield b"".join(parts), rows
+                        parts, size, rows = [], 0, 0
+                    parts.append(data)
+                    size += nbytes
+                    rows += 1
+                    continue
+                if nbytes == 0:  # libpq's buffer is empty: wait for the socket
+                    select.select([pgconn.socket], [], [])
+                    pgconn.consume_input()
+                    continue
+                break  # -1: the COPY is complete (-2, an error, is raised below)
+            if fmt == "binary" and parts:
+                rows -= 1  # the trailer message
+            _wait(pgconn)
+            _raise_result(pgconn, pgconn.get_result())
+            if parts:
+                yield b"".join(parts), rows
+
+
+def _wait(pgconn: Any) -> None:
+    """Block (in select, which releases the GIL) until libpq has a whole result."""
+    pgconn.consume_input()
+    while pgconn.is_busy():
+        select.select([pgconn.socket], [], [])
+        pgconn.consume_input()
+
+
+def _raise_result(pgconn: Any, result: Any) -> None:
+    """Drain the remaining results; raise the psycopg error of a failed one."""
+    error = None
+    while result is not None:
+        if result.status == pq.ExecStatus.FATAL_ERROR and error is None:
+            state = result.error_field(pq.DiagnosticField.SQLSTATE)
+            cls = psycopg.errors.lookup(state.decode()) if state else psycopg.OperationalError
+            error = cls(result.error_message.decode(errors="replace").strip())
+        _wait(pgconn)
+        result = pgconn.get_result()
+    if error is not None:
+        raise error
+
+
+# --- writer ---------------------------------------------------------------------------------
+class _Writer:
+    """One sink connection. The fence is raised in a short transaction of its own; the
+    data then goes in one transaction that ends with the guarded fence update."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        spec: dict[str, Any],
+        ctx: TransferContext,
+        columns: list[Column],
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.ctx = ctx
+        self.source_columns = columns
+        self.secrets = _secrets(config)
+        self.mode = spec.get("mode", "append")
+        self.conn: psycopg.Connection[Any] | None = None
+        self.schema = ""
+        self.name = ""
+        self.already_committed = False
+        self.rows = 0
+        self._copy: Any = None
+        self._copy_cm: Any = None
+        self._copy_cursor: Any = None
+        self._copy_fmt: str | None = None
+        self._target_types: dict[str, str] = {}
+        self._convert: list[Callable[[Any], Any] | None] = []
+
+    # -- set-up --------------------------------------------------------------------------
+    def open(self) -> None:
+        self.conn = connect(self.config, what="sink connect")
+        with _errors(self.secrets, "sink"):
+            _set_timeouts(self.conn, self.spec)
+            schema, self.name = parse_table(self.spec["table"])
+            self.schema = schema or self.conn.execute("SELECT current_schema()").fetchone()[0]  # type: ignore[index]
+            self.conn.commit()
+            self._raise_fence()
+            if self.already_committed:
+                return
+            self._prepare()
+
+    @property
+    def _fence_table(self) -> sql.Composed:
+        return _table_sql(self.schema, "dispatch_fence")
+
+    def _raise_fence(self) -> None:
+        """Raise the run's fence to this attempt's token, in a short transaction of its own
+        (contract section 4). It is never held during the bulk copy."""
+        assert self.conn is not None
+        fence = self.ctx.fence
+        conn = self.conn
+        for tries in range(2):
+            try:
+                with conn.transaction():
+                    conn.execute(
+                        sql.SQL(
+                            "CREATE TABLE IF NOT EXISTS {} (run_id uuid PRIMARY KEY,"
+                            " binding_id uuid, token bigint NOT NULL, attempt_id uuid,"
+                            " committed_at timestamptz)"
+                        ).format(self._fence_table)
+                    )
+                break
+            except psycopg.errors.UniqueViolation:
+                # Two first attempts created the table at once (CREATE ... IF NOT EXISTS
+                # is not atomic against a concurrent creation); the second pass sees it.
+                if tries:
+                    raise
+        with conn.transaction():
+            # ON CONFLICT DO UPDATE re-evaluates its WHERE on the newest committed version
+            # of the row (after waiting for a concurrent commit that holds it), so a commit
+            # that lands first is always seen: a committed fence is never raised again.
+            raised = conn.execute(
+                sql.SQL(
+                    "INSERT INTO {f} AS f (run_id, binding_id, token) VALUES (%s, %s, %s)"
+                    " ON CONFLICT (run_id) DO UPDATE SET token = EXCLUDED.token,"
+                    " binding_id = EXCLUDED.binding_id"
+                    " WHERE f.token <= EXCLUDED.token AND f.committed_at IS NULL"
+                    " RETURNING f.token"
+                ).format(f=self._fence_table),
+                [fence.run_id, fence.binding_id, fence.token],
+            ).fetchone()
+            if raised is not None:
+                return
+            token, committed_at = conn.execute(
+                sql.SQL("SELECT token, committed_at FROM {} WHERE run_id = %s").format(
+                    self._fence_table
+                ),
+                [fence.run_id],
+            ).fetchone()  # type: ignore[misc]
+        if committed_at is not None:
+            self.already_committed = True
+            return
+        raise FenceRejected(
+            f"sink fence of run {fence.run_id} is at token {token}, above this attempt's "
+            f"{fence.token}"
+        )
+
+    def _target_columns(self) -> dict[str, tuple[str, int]] | None:
+        """The sink table's columns: name -> (exact type, type oid); None if missing."""
+        assert self.conn is not None
+        rows = self.conn.execute(
+            "SELECT a.attname, format_type(a.atttypid, a.atttypmod), a.atttypid::int,"
+            " c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0"
+            "  AND NOT a.attisdropped"
+            " WHERE n.nspname = %s AND c.relname = %s ORDER BY a.attnum",
+            [self.schema, self.name],
+        ).fetchall()
+        if not rows:
+            return None
+        if rows[0][3] not in ("r", "p"):
+            raise PermanentError(f"sink {self.schema}.{self.name} is not a table")
+        return {r[0]: (r[1], r[2]) for r in rows if r[0] is not None}
+
+    def _prepare(self) -> None:
+        """Begin the data transaction: create the table if asked, lock and clear for
+        replace, stage for upsert."""
+        assert self.conn is not None
+        conn = self.conn
+        table = _table_sql(self.schema, self.name)
+        names = [c.name for c in self.source_columns]
+        target = self._target_columns()
+        if target is None:
+            if not self.spec.get("create"):
+                raise PermanentError(
+                    f"sink table {self.schema}.{self.name} does not exist (set create: true "
+                    "to create it)"
+                )
+            if not self.source_columns:
+                raise PermanentError("cannot create the sink table: the source has no columns")
+            key = self.spec.get("key") if self.mode == "upsert" else None
+            # Inside the data transaction: a failed load leaves no half-made table behind.
+            conn.execute(
+                sql.SQL("CREATE TABLE {} ({}{})").format(
+                    table,
+                    sql.SQL(", ").join(
+                        # Types come from format_type() on the source server; they are SQL
+                        # type text, not identifiers, so they are passed as SQL. Untyped
+                        # columns (a CSV source) become text.
+                        sql.SQL("{} {}").format(sql.Identifier(c.name), sql.SQL(c.type or "text"))  # type: ignore[arg-type]
+                        for c in self.source_columns
+                    ),
+                    sql.SQL(", PRIMARY KEY ({})").format(
+                        sql.SQL(", ").join(map(sql.Identifier, key))
+                    )
+                    if key
+                    else sql.SQL(""),
+                )
+            )
+            target = self._target_columns()
+            assert target is not None
+        missing = [n for n in names if n not in target]
+        if missing:
+            raise PermanentError(
+                f"sink table {self.schema}.{self.name} has no column(s) {', '.join(missing)}"
+            )
+        if self.mode == "upsert":
+            absent = [k for k in self.spec["key"] if k not in names]
+            if absent:
+                raise PermanentError(f"key column(s) {', '.join(absent)} not in the source")
+        self._target_types = {n: target[n][0] for n in names}
+        # Values bound for json/jsonb columns are serialised here: psycopg would dump a
+        # Python list as a PostgreSQL array.
+        self._convert = [_json_text if target[n][0] in ("json", "jsonb") else None for n in names]
+        if self.mode == "replace":
+            # SHARE ROW EXCLUSIVE: other writers wait until we commit (so the table ends
+            # up holding exactly the source's rows), readers (ACCESS SHARE) never wait.
+            conn.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(table))
+            # DELETE, not TRUNCATE or a table swap: both of those are not MVCC-safe (a
+            # REPEATABLE READ reader whose snapshot predates our commit would see an empty
+            # table) and both take ACCESS EXCLUSIVE. Readers see the old rows until COMMIT.
+            conn.execute(sql.SQL("DELETE FROM {}").format(table))
+        elif self.mode == "upsert":
+            # The staging table has exactly the sink's column types; it vanishes at commit.
+            conn.execute(
+                sql.SQL(
+                    "CREATE TEMPORARY TABLE {} ON COMMIT DROP AS SELECT {} FROM {} WITH NO DATA"
+                ).format(
+                    sql.Identifier("dispatch_stage"),
+                    sql.SQL(", ").join(map(sql.Identifier, names)),
+                    table,
+                )
+            )
+
+    # -- copy ----------------------------------------------------------------------------
+    def copy_format(self, columns: list[Column]) -> str | None:
+        """The COPY format a PostgreSQL source should send: binary when every column has
+        the same exact type on both sides (binary data is type-specific), else text (the
+        sink parses it, so compatible types such as integer -> bigint work)."""
+        if self.already_committed:
+            return None
+        if all(c.type and self._target_types.get(c.name) == c.type for c in columns):
+            self._copy_fmt = "binary"
+        else:
+            self._copy_fmt = "text"
+        return self._copy_fmt
+
+    def _start_copy(self, fmt: str) -> Any:
+        assert self.conn is not None
+        if self._copy is not None:
+            return self._copy
+        target = (
+            sql.Identifier("dispatch_stage")
+            if self.mode == "upsert"
+            else _table_sql(self.schema, self.name)
+        )
+        stmt = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {})").format(
+            target,
+            sql.SQL(", ").join(sql.Identifier(c.name) for c in self.source_columns),
+            sql.SQL("BINARY" if fmt == "binary" else "TEXT"),
+        )
+        self._copy_cursor = self.conn.cursor()
+        self._copy_cm = self._copy_cursor.copy(stmt)
+        self._copy = self._copy_cm.__enter__()
+        self._copy_fmt = fmt
+        return self._copy
+
+    def write_copy(self, data: bytes, rows: int) -> int:
+        if self.already_committed:
+            return 0
+        with _errors(self.secrets, "sink write"):
+            self._start_copy(self._copy_fmt or "text")
+            self._copy.write(data)
+        self.rows += rows
+        return rows
+
+    def write(self, batch: Batch) -> int:
+        if self.already_committed:
+            return 0
+        with _errors(self.secrets, "sink write"):
+            # Text COPY: the server parses each value into the column's type, so rows from
+            # any source (strings from a CSV, Python values from a generator) fit.
+            copy = self._start_copy("text")
+            convert = self._convert if any(self._convert) else None
+            for row in batch:
+                if convert is not None:
+                    row = [f(v) if f else v for f, v in zip(convert, row, strict=False)]
+                copy.write_row(row)
+        self.rows += len(batch)
+        return len(batch)
+
+    def _end_copy(self) -> int | None:
+        if self._copy_cm is None:
+            return None
+        cm, self._copy_cm, self._copy = self._copy_cm, None, None
+        cm.__exit__(None, None, None)
+        count = self._copy_cursor.rowcount
+        return count if count is not None and count >= 0 else None
+
+    def commit(self) -> WriteResult:
+        if self.already_committed:
+            return WriteResult(rows_written=0, already_committed=True)
+        assert self.conn is not None
+        conn = self.conn
+        fence = self.ctx.fence
+        with _errors(self.secrets, "sink commit"):
+            copied = self._end_copy()
+            if copied is not None:
+                self.rows = copied  # the server's own count ("COPY n")
+            if self.mode == "upsert" and self.rows:
+                self._merge()
+            # The fence, last: row-locked only from here to COMMIT (milliseconds). A newer
+            # attempt that raised the token, or a commit that beat us, leaves no row.
+            updated = conn.execute(
+                sql.SQL(
+                    "UPDATE {} SET attempt_id = %s, committed_at = now()"
+                    " WHERE run_id = %s AND token = %s AND committed_at IS NULL"
+                ).format(self._fence_table),
+                [fence.attempt_id, fence.run_id, fence.token],
+            ).rowcount
+            if updated != 1:
+                conn.rollback()
+                raise FenceRejected(
+                    f"sink fence of run {fence.run_id} no longer at token {fence.token}: "
+                    "a newer attempt started or the run's data is already committed"
+                )
+            conn.commit()
+        return WriteResult(rows_written=self.rows)
+
+    def _merge(self) -> None:
+        assert self.conn is not None
+        names = [c.name for c in self.source_columns]
+        key = list(self.spec["key"])
+        others = [n for n in names if n not in key]
+        action = (
+            sql.SQL("DO UPDATE SET {}").format(
+                sql.SQL(", ").join(
+                    sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(n), sql.Identifier(n))
+                    for n in others
+                )
+            )
+            if others
+            else sql.SQL("DO NOTHING")
+        )
+        cols = sql.SQL(", ").join(map(sql.Identifier, names))
+        try:
+            self.conn.execute(
+                sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} ON CONFLICT ({}) {}").format(
+                    _table_sql(self.schema, self.name),
+                    cols,
+                    cols,
+                    sql.Identifier("dispatch_stage"),
+                    sql.SQL(", ").join(map(sql.Identifier, key)),
+                    action,
+                )
+            )
+        except psycopg.errors.CardinalityViolation:
+            raise PermanentError(
+                f"upsert: the source holds the same key ({', '.join(key)}) more than once"
+            ) from None
+        except psycopg.errors.InvalidColumnReference:
+            raise PermanentError(
+                f"upsert: {self.schema}.{self.name} has no unique index or constraint on "
+                f"({', '.join(key)})"
+            ) from None
+
+    def close(self) -> None:
+        if self.conn is None:
+            return
+        conn, self.conn = self.conn, None
+        # An unfinished COPY or transaction is abandoned: closing the connection rolls back.
+        with contextlib.suppress(Exception):
+            conn.close()
+
+
+def _json_text(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value)
