@@ -1,0 +1,341 @@
+"""The invariant checker must be able to fail: each test builds one violating state on
+purpose (rows written directly, bypassing the guarded SQL) and asserts that exactly the
+check in question reports it; a consistent state reports nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connection
+from django.utils import timezone
+
+from dispatch import claims, invariants
+from dispatch.invariants import Scope
+from dispatch.models import Attempt, Run
+from dispatch.states import Origin, Reason, Status
+from tests.factories import BindingFactory, JobFactory, trigger
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def succeeded_run(**job: Any) -> Run:
+    """A run taken through the real claim and settlement to SUCCEEDED."""
+    run = trigger(BindingFactory(job=JobFactory(**job)))
+    (claimed,) = claims.claim("w-inv", run_id=run.id)
+    assert claims.settle(claimed.attempt_id, claimed.lease_token, "SUCCEEDED") == "SUCCEEDED"
+    run.refresh_from_db()
+    return run
+
+
+def checks_failing(report: invariants.Report) -> set[str]:
+    return {v.check for v in report.violations}
+
+
+def scope_of(*runs: Run) -> Scope:
+    return Scope(run_ids=frozenset(r.id for r in runs))
+
+
+def add_attempt(run: Run, number: int, **fields: Any) -> Attempt:
+    defaults: dict[str, Any] = {
+        "origin": Origin.RETRY,
+        "status": Status.FAILED,
+        "reason": Reason.ERROR,
+        # Settled when the run was created: before any later attempt began.
+        "finished_at": run.created_at,
+    }
+    defaults.update(fields)
+    return Attempt.objects.create(run=run, number=number, **defaults)
+
+
+def test_check__consistent_runs_pass() -> None:
+    run = succeeded_run()
+    report = invariants.check(scope_of(run))
+    assert report.ok, report.render()
+    assert report.counts["runs"] == 1 and report.counts["succeeded"] == 1
+
+
+def test_check__reports_a_lost_run() -> None:
+    run = succeeded_run()
+    lost = uuid.uuid4()
+    report = invariants.check(Scope(run_ids=frozenset({run.id, lost})))
+    assert checks_failing(report) == {"run_lost"}
+    assert str(lost) in report.render()
+
+
+def test_check__reports_a_stuck_run() -> None:
+    run = trigger(BindingFactory())
+    report = invariants.check(scope_of(run))
+    assert checks_failing(report) == {"run_not_terminal"}
+    assert "PENDING" in report.render()
+
+
+def test_check__reports_run_status_not_its_latest_attempts() -> None:
+    run = succeeded_run()
+    Run.objects.filter(pk=run.pk).update(status=Status.FAILED)
+    report = invariants.check(scope_of(run))
+    assert checks_failing(report) == {"run_status"}
+    assert "latest attempt 1 is SUCCEEDED" in report.render()
+
+
+def test_check__reports_two_succeeded_attempts() -> None:
+    run = succeeded_run()
+    add_attempt(run, 2, status=Status.SUCCEEDED, reason=None)
+    report = invariants.check(scope_of(run))
+    assert "duplicate_success" in checks_failing(report)
+
+
+def test_check__reports_a_gap_in_attempt_numbers() -> None:
+    run = succeeded_run()
+    Attempt.objects.filter(run=run).update(number=2)
+    report = invariants.check(scope_of(run))
+    assert checks_failing(report) == {"attempt_numbers"}
+
+
+def test_check__reports_a_budget_over_max_attempts_but_not_release_successors() -> None:
+    run = succeeded_run(max_attempts=2)
+    Attempt.objects.filter(run=run).update(number=4)
+    add_attempt(run, 1, origin=Origin.TRIGGER, status=Status.RETRY_SCHEDULED)
+    add_attempt(
+        run,
+        2,
+        origin=Origin.RELEASE,
+        status=Status.RETRY_SCHEDULED,
+        reason=Reason.SHUTDOWN_RELEASED,
+    )
+    add_attempt(run, 3, origin=Origin.RETRY, status=Status.RETRY_SCHEDULED)
+    Attempt.objects.filter(run=run, number=4).update(origin=Origin.RETRY)
+    # TRIGGER, RELEASE, RETRY, RETRY: three attempts in the budget, max 2.
+    report = invariants.check(scope_of(run))
+    assert checks_failing(report) == {"retry_budget"}
+    assert "holds 3 attempts, max_attempts is 2" in report.render()
+    # An operator retry opens a new budget: TRIGGER, RELEASE, RETRY | OPERATOR is fine.
+    Attempt.objects.filter(run=run, number=4).update(origin=Origin.OPERATOR)
+    assert invariants.check(scope_of(run)).ok
+
+
+def test_check__reports_a_failure_without_reason_and_a_lost_lease_that_succeeded() -> None:
+    run = succeeded_run()
+    Attempt.objects.filter(run=run).update(number=2, reason=Reason.LEASE_EXPIRED)
+    add_attempt(run, 1, origin=Origin.TRIGGER, status=Status.RETRY_SCHEDULED, reason=None)
+    report = invariants.check(scope_of(run))
+    assert checks_failing(report) == {"reason"}
+    text = report.render()
+    assert "RETRY_SCHEDULED without a reason" in text
+    assert "SUCCEEDED although it lost its lease (LEASE_EXPIRED)" in text
+
+
+def test_check__reports_an_attempt_that_finished_after_its_successor_was_claimed() -> None:
+    run = succeeded_run()
+    later = Attempt.objects.get(run=run)
+    Attempt.objects.filter(pk=later.pk).update(number=2, origin=Origin.RETRY)
+    # Attempt 1 "finished" a second after attempt 2 was claimed: a stale worker's write.
+    add_attempt(
+        run,
+        1,
+        origin=Origin.TRIGGER,
+        status=Status.RETRY_SCHEDULED,
+        reason=Reason.LEASE_EXPIRED,
+        lease_until=later.claimed_at - timedelta(seconds=5),
+        finished_at=later.claimed_at + timedelta(seconds=1),
+    )
+    Attempt.objects.filter(pk=later.pk).update(created_at=later.claimed_at)
+    report = invariants.check(scope_of(run))
+    assert checks_failing(report) == {"stale_finish"}
+    assert "after attempt 2 began" in report.render()
+
+
+def test_check__scope_by_requested_by_tag() -> None:
+    tagged = trigger(BindingFactory(), requested_by="campaign-x")
+    succeeded_run()  # untagged, out of scope
+    report = invariants.check(Scope(requested_by="campaign-x"))
+    assert report.counts["runs"] == 1
+    assert {v.subject for v in report.violations} == {str(tagged.id)}
+
+
+# --- the command ------------------------------------------------------------------------
+def test_command__exit_1_with_a_readable_report(tmp_path: Path) -> None:
+    run = trigger(BindingFactory())
+    ids = tmp_path / "runs.txt"
+    ids.write_text(f"# campaign\n{run.id}\n")
+    out = io.StringIO()
+    with pytest.raises(SystemExit) as exit_info:
+        call_command("check_invariants", "--run-ids", str(ids), "--no-sinks", stdout=out)
+    assert exit_info.value.code == 1
+    assert "1 VIOLATION(S)" in out.getvalue()
+    assert f"{run.id}: PENDING" in out.getvalue()
+
+
+def test_command__exit_0_with_a_summary(tmp_path: Path) -> None:
+    run = succeeded_run()
+    ids = tmp_path / "runs.txt"
+    ids.write_text(f"{run.id}\n")
+    out = io.StringIO()
+    call_command("check_invariants", "--run-ids", str(ids), stdout=out)
+    assert out.getvalue().startswith("invariants: OK")
+    assert "runs=1" in out.getvalue()
+
+
+def test_command__bad_run_id_file(tmp_path: Path) -> None:
+    ids = tmp_path / "runs.txt"
+    ids.write_text("not-a-uuid\n")
+    with pytest.raises(CommandError, match="line 1: 'not-a-uuid' is not a run id"):
+        call_command("check_invariants", "--run-ids", str(ids))
+    with pytest.raises(CommandError, match="cannot read --run-ids"):
+        call_command("check_invariants", "--run-ids", str(tmp_path / "missing.txt"))
+
+
+# --- PostgreSQL sinks ---------------------------------------------------------------------
+needs_postgresql_connector = pytest.mark.skipif(
+    importlib.util.find_spec("dispatch.connectors.postgresql") is None,
+    reason="the postgresql connector has not landed",
+)
+
+
+def _sink_config() -> dict[str, Any]:
+    s = connection.settings_dict
+    config: dict[str, Any] = {
+        "host": s["HOST"] or "127.0.0.1",
+        "dbname": s["NAME"],
+        "user": s["USER"],
+    }
+    if s.get("PORT"):
+        config["port"] = int(s["PORT"])
+    if s.get("PASSWORD"):
+        config["password"] = s["PASSWORD"]
+    return config
+
+
+def _pg_sink_run(mode: str = "append") -> Run:
+    """A SUCCEEDED run whose binding writes to inv_sink in this very database (rows and
+    fence are written by the test, as a committed sink attempt would leave them)."""
+    from tests.factories import DatasourceFactory
+
+    sink = DatasourceFactory(kind="postgresql", config=_sink_config())
+    job = JobFactory(
+        source_spec={"rows": 3, "batch": 3}, sink_spec={"table": "public.inv_sink", "mode": mode}
+    )
+    run = trigger(BindingFactory(job=job, sink=sink))
+    (claimed,) = claims.claim("w-inv", run_id=run.id)
+    with connection.cursor() as cursor:
+        cursor.execute("DROP TABLE IF EXISTS inv_sink, dispatch_fence")
+        cursor.execute("CREATE TABLE IF NOT EXISTS inv_sink (id bigint, customer text)")
+        cursor.execute(
+            "CREATE TABLE IF NOT EXISTS dispatch_fence (run_id uuid PRIMARY KEY,"
+            " binding_id uuid, token bigint NOT NULL, attempt_id uuid, committed_at timestamptz)"
+        )
+        cursor.execute("INSERT INTO inv_sink SELECT g, 'c' FROM generate_series(1, 3) g")
+        cursor.execute(
+            "INSERT INTO dispatch_fence VALUES (%s, %s, %s, %s, now())",
+            [run.id, run.binding_id, claimed.lease_token, claimed.attempt_id],
+        )
+    claims.settle(claimed.attempt_id, claimed.lease_token, "SUCCEEDED")
+    return run
+
+
+@needs_postgresql_connector
+def test_check__pg_sink_consistent_then_duplicated_rows() -> None:
+    run = _pg_sink_run()
+    report = invariants.check(scope_of(run))
+    assert report.ok, report.render()
+    assert report.counts["sink_tables"] == 1
+    with connection.cursor() as cursor:
+        cursor.execute("INSERT INTO inv_sink VALUES (2, 'again')")  # one row twice
+    report = invariants.check(scope_of(run))
+    assert checks_failing(report) == {"sink_rows"}
+    assert "multiplicities {1: 2, 2: 1}" in report.render()
+
+
+@needs_postgresql_connector
+def test_check__pg_sink_lost_rows() -> None:
+    run = _pg_sink_run()
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM inv_sink WHERE id = 3")
+    assert checks_failing(invariants.check(scope_of(run))) == {"sink_rows"}
+
+
+@needs_postgresql_connector
+def test_check__pg_sink_fence_uncommitted_or_naming_another_attempt() -> None:
+    run = _pg_sink_run()
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE dispatch_fence SET attempt_id = %s", [uuid.uuid4()])
+    report = invariants.check(scope_of(run))
+    assert "sink_fence" in checks_failing(report)
+    assert "which is not this run's" in report.render()
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE dispatch_fence SET committed_at = NULL")
+    report = invariants.check(scope_of(run))
+    assert "SUCCEEDED but its fence is not committed" in report.render()
+
+
+@needs_postgresql_connector
+def test_check__pg_sink_committed_by_a_later_attempt_than_the_succeeded_one() -> None:
+    run = _pg_sink_run()
+    first = Attempt.objects.get(run=run)
+    # Attempt 2 (a stale successor) committed the data after attempt 1 was recorded.
+    Attempt.objects.filter(pk=first.pk).update(number=1)
+    stale = add_attempt(run, 2, lease_token=first.lease_token + 1000, finished_at=first.finished_at)
+    Run.objects.filter(pk=run.pk).update(status=Status.FAILED)
+    Attempt.objects.filter(pk=first.pk).update(status=Status.SUCCEEDED)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE dispatch_fence SET attempt_id = %s, token = %s",
+            [stale.id, stale.lease_token],
+        )
+    report = invariants.check(scope_of(run))
+    assert "after attempt 1 recorded SUCCEEDED" in report.render()
+
+
+# --- schedules ------------------------------------------------------------------------------
+def _schedule_model() -> Any:
+    if importlib.util.find_spec("scheduling.models") is None:
+        pytest.skip("the scheduling app has not landed")
+    if "scheduling_schedule" not in connection.introspection.table_names():
+        pytest.skip("the scheduling app has no table")
+    from scheduling.models import Schedule
+
+    return Schedule
+
+
+def test_check__schedule_slots_missing_and_bogus() -> None:
+    schedule_model = _schedule_model()
+    binding = BindingFactory()
+    schedule = schedule_model(binding=binding, cron="* * * * *", timezone="UTC")
+    schedule.save()
+    # Pretend it was created 10 minutes ago and the reconciler has handled every slot
+    # since (next_fire_at advanced), but only fired two of them.
+    schedule_model.objects.filter(pk=schedule.pk).update(
+        created_at=schedule.next_fire_at - timedelta(minutes=10, seconds=30)
+    )
+    slots = invariants.slots_between(
+        invariants.load_schedules(invariants.load(Scope(schedule_ids=frozenset({schedule.id}))))[0],
+        schedule.next_fire_at - timedelta(minutes=10, seconds=30),
+        schedule.next_fire_at,
+    )
+    assert len(slots) == 10
+    for slot in slots[:2]:
+        trigger(binding, trigger="SCHEDULE", schedule_id=schedule.id, scheduled_for=slot)
+    scope = Scope(schedule_ids=frozenset({schedule.id}))
+    report = invariants.check(scope, sinks=False)
+    assert "schedule_slots" in checks_failing(report)
+    assert "8 due slot(s) without a run but only 0 recorded skip(s)" in report.render()
+    # Recorded skips account for the rest.
+    schedule_model.objects.filter(pk=schedule.pk).update(skip_count=8)
+    report = invariants.check(scope, sinks=False)
+    assert "schedule_slots" not in checks_failing(report)
+    # A run for an instant that is not a slot of the cron.
+    trigger(
+        binding,
+        trigger="SCHEDULE",
+        schedule_id=schedule.id,
+        scheduled_for=slots[3] + timedelta(seconds=7),
+    )
+    report = invariants.check(scope, sinks=False)
+    assert "not a due slot" in report.render()
