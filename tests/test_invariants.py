@@ -15,7 +15,6 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
-from django.utils import timezone
 
 from dispatch import claims, invariants
 from dispatch.invariants import Scope
