@@ -37,6 +37,8 @@ ORDERS = (
 
 
 def _fence_row(db: ScratchDB, run_id: uuid.UUID) -> tuple[Any, ...] | None:
+    if db.execute("SELECT to_regclass('dispatch_fence')") == [(None,)]:
+        return None  # the first writer has not created the fence table yet
     rows = db.execute(
         "SELECT token, attempt_id, committed_at IS NOT NULL FROM dispatch_fence WHERE run_id = %s",
         [run_id],
