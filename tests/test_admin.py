@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -470,8 +471,7 @@ def test_history_rows__no_add_no_delete_no_edit(admin_client: Client, model: str
 def test_lease_expired_display_reason(admin_client: Client) -> None:
     run, c = running_run(job__max_attempts=1)
     Attempt.objects.filter(pk=c.attempt_id).update(
-        lease_until=Now()
-        - Value(__import__("datetime").timedelta(seconds=5), output_field=DurationField())
+        lease_until=Now() - Value(timedelta(seconds=5), output_field=DurationField())
     )
     claims.recover()
     page = admin_client.get(reverse("admin:dispatch_run_change", args=[run.pk])).content.decode()
