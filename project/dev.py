@@ -77,6 +77,7 @@ def cmd_run() -> int:
     try:
         manage("migrate", "--no-input", "-v", "0", env=env)
         manage("seed_demo", "--admin-password", demo_password(), env=env)
+        manage("seed_demo_schedules", env=env)
         print(f"\n  Admin:  http://127.0.0.1:{port}/admin/   (see the login above)\n", flush=True)
         procs.append(
             subprocess.Popen(
@@ -88,7 +89,7 @@ def cmd_run() -> int:
         )
         procs.append(
             subprocess.Popen(
-                [PYTHON, str(ROOT / "manage.py"), "runworker", "--concurrency", "2"],
+                [PYTHON, str(ROOT / "manage.py"), "runworker", "--scheduler", "--concurrency", "2"],
                 env=env,
                 cwd=ROOT,
                 start_new_session=True,

@@ -7,3 +7,8 @@ class SchedulingConfig(AppConfig):
     name = "scheduling"
     verbose_name = "Scheduling"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        # Registers the system checks. No database access here: `migrate` must work on an
+        # empty database; schedules are registered when the site or a reconciler starts.
+        from scheduling import checks  # noqa: F401

@@ -1,0 +1,227 @@
+"""Schedule admin: list with upcoming fire times, last run and skips; enable/disable.
+
+Creating or enabling a schedule (or moving an enabled one to another binding) also needs
+the binding's trigger permission (`dispatch.trigger_binding`): a schedule is a standing
+trigger. The form says so as an error; an action refuses with 403.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.urls import NoReverseMatch, reverse
+from django.utils import timezone as dj_timezone
+from django.utils.html import format_html, format_html_join
+
+from scheduling import cron
+from scheduling.models import Schedule
+
+TRIGGER_PERMISSION = "dispatch.trigger_binding"
+UPCOMING = 5
+
+
+def _link(viewname: str, pk: Any, text: str) -> str:
+    """A link to another admin page, or the plain text when that page is not registered."""
+    try:
+        return format_html('<a href="{}">{}</a>', reverse(viewname, args=[pk]), text)
+    except NoReverseMatch:
+        return text
+
+
+def needs_trigger_permission(schedule: Schedule, stored: Mapping[str, object] | None) -> bool:
+    """True when saving `schedule` creates, enables or re-targets an enabled schedule."""
+    if not schedule.enabled:
+        return False
+    if stored is None:
+        return True
+    return not stored["enabled"] or stored["binding_id"] != schedule.binding_id
+
+
+class ScheduleForm(forms.ModelForm):
+    request: HttpRequest | None = None
+
+    class Meta:
+        model = Schedule
+        fields = ["binding", "cron", "timezone", "enabled", "misfire_policy", "overlap_policy"]
+
+    def clean(self) -> dict[str, Any]:
+        super().clean()
+        data = self.cleaned_data
+        request = self.request
+        if request is None or not (data.get("binding") or self.instance.binding_id):
+            return data
+        stored = None
+        if self.instance.pk and not self.instance._state.adding:
+            stored = (
+                Schedule.objects.filter(pk=self.instance.pk).values("enabled", "binding_id").first()
+            )
+        candidate = Schedule(
+            binding=data.get("binding") or self.instance.binding,
+            enabled=bool(data.get("enabled")),
+        )
+        if needs_trigger_permission(candidate, stored) and not request.user.has_perm(
+            TRIGGER_PERMISSION
+        ):
+            raise forms.ValidationError(
+                "Creating or enabling a schedule needs the binding's trigger permission "
+                "(dispatch | binding | Can trigger a run of a binding) as well. Save it "
+                "disabled, or ask for that permission.",
+                code="trigger_permission",
+            )
+        return data
+
+
+@admin.register(Schedule)
+class ScheduleAdmin(admin.ModelAdmin):
+    form = ScheduleForm
+    list_display = [
+        "__str__",
+        "binding_link",
+        "cron",
+        "timezone",
+        "enabled",
+        "misfire_policy",
+        "overlap_policy",
+        "upcoming",
+        "last_run_link",
+        "skip_count",
+        "last_skip_reason",
+    ]
+    list_display_links = ["__str__"]
+    list_filter = ["enabled", "misfire_policy", "overlap_policy", "last_skip_reason", "timezone"]
+    search_fields = ["binding__name", "cron", "timezone"]
+    # One query for the page: the binding and the last run are joined, the upcoming
+    # times are computed from the row itself.
+    list_select_related = ["binding", "last_run"]
+    readonly_fields = [
+        "explanation",
+        "next_fire_at",
+        "upcoming",
+        "last_fired_at",
+        "last_run_link",
+        "skip_count",
+        "last_skip_reason",
+        "last_skip_at",
+        "created_at",
+    ]
+    fieldsets = [
+        (None, {"fields": ["binding", "cron", "timezone", "explanation", "enabled"]}),
+        ("Policies", {"fields": ["misfire_policy", "overlap_policy"]}),
+        (
+            "State",
+            {
+                "fields": [
+                    "next_fire_at",
+                    "upcoming",
+                    "last_fired_at",
+                    "last_run_link",
+                    "skip_count",
+                    "last_skip_reason",
+                    "last_skip_at",
+                    "created_at",
+                ]
+            },
+        ),
+    ]
+    actions = ["enable_schedules", "disable_schedules"]
+
+    # --- permissions ------------------------------------------------------------------------
+    def has_trigger_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm(TRIGGER_PERMISSION)
+
+    def has_enable_permission(self, request: HttpRequest) -> bool:
+        # Action permissions are alternatives (any one suffices); enabling needs both.
+        return self.has_change_permission(request) and self.has_trigger_permission(request)
+
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> Any:
+        form = super().get_form(request, obj, change=change, **kwargs)
+        # A subclass per request, so concurrent requests never share the attribute.
+        return type(form.__name__, (form,), {"request": request})
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        # The form already refused; this guards every other path into save_model.
+        stored = (
+            Schedule.objects.filter(pk=obj.pk).values("enabled", "binding_id").first()
+            if change
+            else None
+        )
+        if needs_trigger_permission(obj, stored) and not self.has_trigger_permission(request):
+            raise PermissionDenied
+        super().save_model(request, obj, form, change)
+
+    # --- columns ------------------------------------------------------------------------------
+    @admin.display(description="binding", ordering="binding__name")
+    def binding_link(self, obj: Schedule) -> str:
+        return _link("admin:dispatch_jobbinding_change", obj.binding_id, obj.binding.name)
+
+    @admin.display(description=f"next {UPCOMING} fire times")
+    def upcoming(self, obj: Schedule) -> str:
+        if not obj.enabled:
+            return "disabled"
+        try:
+            slots = obj.slots()
+            start = obj.next_fire_at or dj_timezone.now()
+            times = slots.upcoming(start, UPCOMING)
+        except cron.CronError as exc:
+            return f"cannot be evaluated: {exc}"
+        return format_html_join(
+            "",
+            "<div>{}</div>",
+            ((t.astimezone(slots.tz).strftime("%Y-%m-%d %H:%M %Z"),) for t in times),
+        )
+
+    @admin.display(description="last run")
+    def last_run_link(self, obj: Schedule) -> str:
+        run = obj.last_run
+        if run is None:
+            return "-"
+        return format_html(
+            "{} {}", _link("admin:dispatch_run_change", run.pk, str(run.pk)[:8]), run.status
+        )
+
+    @admin.display(description="meaning")
+    def explanation(self, obj: Schedule) -> str:
+        if not obj.cron:
+            return "-"
+        try:
+            return cron.Slots(obj.cron, obj.timezone).explain() or "-"
+        except cron.CronError as exc:
+            return str(exc)
+
+    # --- actions -------------------------------------------------------------------------------
+    @admin.action(description="Enable selected schedules", permissions=["enable"])
+    def enable_schedules(self, request: HttpRequest, queryset: QuerySet[Schedule]) -> None:
+        if not self.has_enable_permission(request):
+            raise PermissionDenied
+        self._set_enabled(request, queryset, True)
+
+    @admin.action(description="Disable selected schedules", permissions=["change"])
+    def disable_schedules(self, request: HttpRequest, queryset: QuerySet[Schedule]) -> None:
+        self._set_enabled(request, queryset, False)
+
+    def _set_enabled(
+        self, request: HttpRequest, queryset: QuerySet[Schedule], enabled: bool
+    ) -> None:
+        changed = unchanged = 0
+        for schedule in queryset.select_related("binding"):
+            if schedule.enabled == enabled:
+                unchanged += 1
+                continue
+            schedule.enabled = enabled
+            # save() registers (or clears) next_fire_at and wakes the reconcilers.
+            schedule.save()
+            self.log_change(request, schedule, "Enabled" if enabled else "Disabled")
+            changed += 1
+        word = "enabled" if enabled else "disabled"
+        message = f"{changed} schedule(s) {word}"
+        if unchanged:
+            message += f"; {unchanged} skipped (already {word})"
+        self.message_user(request, message + ".", messages.SUCCESS)
