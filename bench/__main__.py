@@ -10,7 +10,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # What `python -m bench all` (and `make bench`) runs, in this order.
-ALL: list[str] = []
+ALL: list[str] = ["throughput", "latency", "claimcost", "contention", "recovery", "copy_pg"]
+# Short names for modules whose own name says more (`python -m bench copy`).
+ALIASES: dict[str, str] = {"copy": "copy_pg"}
 
 
 def available() -> list[str]:
@@ -22,6 +24,7 @@ def available() -> list[str]:
 
 
 def run(name: str, argv: list[str]) -> int:
+    name = ALIASES.get(name, name)
     if name not in available():
         raise SystemExit(f"no benchmark named {name!r}; available: {', '.join(available())}")
     module = importlib.import_module(f"bench.{name}")
