@@ -1,0 +1,765 @@
+"""The fault-injection campaign: real workers, a stream of triggers and schedules, and
+seeded faults against an embedded PostgreSQL the campaign owns; then quiescence and the
+invariant checker (`dispatch.invariants`).
+
+The campaign drops and recreates its own databases on its own server (never the shared
+one: it restarts it). The times and kinds of faults come from `random.Random(seed)`, so a
+seed replays the same fault plan; the victims (which worker, which run) are drawn by the
+same generator among what is live at that moment. See docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+from django.apps import apps
+from django.conf import settings
+from django.core.management import call_command
+from django.db import Error as DjangoDBError
+from django.db import connection
+from psycopg import sql
+
+from dispatch import conf, invariants, services
+from dispatch.models import Datasource, Job, JobBinding, Run
+from dispatch.states import Status
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+DB_ERRORS: tuple[type[BaseException], ...] = (DjangoDBError, psycopg.Error)
+DATABASE = "dispatch_chaos"
+SINK_DATABASE = "dispatch_chaos_sink"
+# The campaign's own connections carry this name, so killing "working connections" never
+# hits the campaign itself.
+APP_NAME = "dispatch-chaos"
+LEASE_SECONDS = 3
+FAULT_KINDS = (
+    "kill",
+    "stop",
+    "listen_kill",
+    "conn_kill",
+    "pg_restart",
+    "notify_flood",
+    "cancel",
+    "retry",
+    "edit_datasource",
+    "disable_binding",
+)
+# Relative frequency of each kind after the first round (which injects every kind once).
+WEIGHTS = {
+    "kill": 3,
+    "stop": 2,
+    "listen_kill": 2,
+    "conn_kill": 2,
+    "pg_restart": 1,
+    "notify_flood": 2,
+    "cancel": 3,
+    "retry": 3,
+    "edit_datasource": 1,
+    "disable_binding": 1,
+}
+
+
+@dataclass
+class Options:
+    duration: float = 60.0
+    workers: int = 3
+    seed: int = 1
+    concurrency: int = 2
+    data_dir: Path = ROOT / ".data" / "chaos-pg"
+    port: int = 54341
+    out_dir: Path = ROOT / ".data" / "chaos"
+    fault_interval: float = 2.5
+    trigger_rate: float = 2.0
+    reconcilers: int = 3
+    quiesce_timeout: float = 120.0
+    keep_server: bool = False
+
+
+@dataclass
+class Proc:
+    role: str  # worker | reconciler
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    stopped_until: float | None = None  # SIGSTOPped until this monotonic time
+    killed_by_us: bool = False
+
+
+@dataclass
+class Summary:
+    seed: int
+    duration: float
+    workers: int
+    runs_created: int = 0
+    scheduled_runs: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    faults: Counter[str] = field(default_factory=Counter)
+    refusals: Counter[str] = field(default_factory=Counter)
+    attempts_by_origin: dict[str, int] = field(default_factory=dict)
+    worker_stats: Counter[str] = field(default_factory=Counter)
+    fenced_commit_log_lines: int = 0
+    unexpected_exits: list[dict[str, Any]] = field(default_factory=list)
+    harness_db_retries: int = 0
+    throughput_during_faults: float = 0.0
+    trigger_rate: float = 0.0
+    quiesce_seconds: float = 0.0
+    postgresql_sink: bool = False
+    schedules: int = 0
+    violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        lines = [
+            f"chaos campaign seed={self.seed} duration={self.duration:.0f}s "
+            f"workers={self.workers} postgresql_sink={self.postgresql_sink} "
+            f"schedules={self.schedules}",
+            f"  runs created: {self.runs_created} triggered + {self.scheduled_runs} scheduled; "
+            f"final statuses {dict(sorted(self.statuses.items()))}",
+            f"  faults injected: {sum(self.faults.values())} "
+            + str(dict(sorted(self.faults.items()))),
+            f"  operator refusals (expected races): {dict(sorted(self.refusals.items()))}",
+            f"  attempts by origin: {dict(sorted(self.attempts_by_origin.items()))}",
+            f"  stale sink commits rejected by the fence: "
+            f"{self.worker_stats.get('fenced_commits', 0)} (worker stats), "
+            f"{self.fenced_commit_log_lines} (log lines)",
+            "  worker stats: "
+            + ", ".join(
+                f"{k}={self.worker_stats[k]}"
+                for k in (
+                    "lease_lost",
+                    "recovered",
+                    "released",
+                    "listen_reconnects",
+                    "notifications_malformed",
+                    "directed_hits",
+                    "directed_misses",
+                    "settle_failed",
+                )
+            ),
+            f"  throughput during faults: {self.throughput_during_faults:.2f} runs/s succeeded "
+            f"(triggers offered {self.trigger_rate:.2f}/s); quiesced in {self.quiesce_seconds:.1f}s",
+            f"  harness database retries: {self.harness_db_retries}",
+            f"  unexpected process exits: {len(self.unexpected_exits)}",
+        ]
+        for exit_info in self.unexpected_exits[:10]:
+            lines.append(f"    {exit_info['name']} exit {exit_info['code']}: {exit_info['tail']}")
+        lines.append(f"  violations: {len(self.violations)}")
+        lines.extend(f"    {v}" for v in self.violations[:100])
+        lines.extend(f"  note: {n}" for n in self.notes[:50])
+        return "\n".join(lines)
+
+
+class Campaign:
+    def __init__(self, options: Options, out: Callable[[str], None] = print) -> None:
+        from project.embedded_pg import EmbeddedPostgres
+
+        self.o = options
+        self.out = out
+        # The campaign's own triggers and cancels would drown the summary; workers log to
+        # their own files.
+        logging.getLogger("dispatch").setLevel(logging.WARNING)
+        self.rng = random.Random(options.seed)
+        self.server = EmbeddedPostgres(options.data_dir, options.port)
+        self.tag = f"chaos-{options.seed}"
+        self.summary = Summary(options.seed, options.duration, options.workers)
+        self.procs: list[Proc] = []
+        self.generation = Counter[str]()
+        self.bindings: list[JobBinding] = []
+        self.sink_datasources: list[Datasource] = []
+        self.schedule_ids: list[uuid.UUID] = []
+        self.run_ids: set[uuid.UUID] = set()
+        self.reenable_at: dict[uuid.UUID, float] = {}
+        self.triggers = 0
+        self.last_restart = -1e9
+
+    # --- set-up -----------------------------------------------------------------------------
+    def setup(self) -> None:
+        self.o.out_dir.mkdir(parents=True, exist_ok=True)
+        for old in self.o.out_dir.glob("*.log"):
+            old.unlink()
+        self.server.start()
+        with psycopg.connect(self.server.url("postgres"), autocommit=True) as admin:
+            for name in (DATABASE, SINK_DATABASE):
+                # A fresh slate per campaign, so a seed replays from the same state.
+                admin.execute(
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+                )
+                admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        db = connection.settings_dict
+        connection.close()
+        db.update(NAME=DATABASE, HOST="127.0.0.1", PORT=str(self.o.port), USER="postgres")
+        db["PASSWORD"] = ""
+        db.setdefault("OPTIONS", {})["application_name"] = APP_NAME
+        call_command("migrate", verbosity=0, interactive=False)
+        self._create_definitions()
+
+    def _create_definitions(self) -> None:
+        source = Datasource(name="chaos-source", kind="generate", config={})
+        source.save()
+        null = Datasource(name="chaos-null", kind="null", config={})
+        null.save()
+
+        def job(
+            name: str, source_spec: dict[str, Any], sink_spec: dict[str, Any], **kw: Any
+        ) -> Job:
+            j = Job(
+                name=name,
+                source_spec=source_spec,
+                sink_spec=sink_spec,
+                max_attempts=kw.pop("max_attempts", 8),
+                backoff_seconds=0.2,
+                backoff_max_seconds=2.0,
+                lease_seconds=LEASE_SECONDS,
+                **kw,
+            )
+            j.save()
+            return j
+
+        def binding(name: str, j: Job, sink: Datasource, concurrency: int = 2) -> JobBinding:
+            b = JobBinding(name=name, job=j, source=source, sink=sink, max_concurrency=concurrency)
+            b.full_clean()
+            b.save()
+            return b
+
+        self.bindings.append(
+            binding(
+                "chaos-null",
+                job("chaos-null", {"rows": 200, "batch": 20, "delay_ms": 100}, {}),
+                null,
+            )
+        )
+        self.bindings.append(
+            binding(
+                "chaos-flaky",
+                job("chaos-flaky", {"rows": 60, "batch": 10, "fail_after": 30}, {}, max_attempts=3),
+                null,
+            )
+        )
+        if self._postgresql_available():
+            self.summary.postgresql_sink = True
+            sink = Datasource(
+                name="chaos-pg-sink",
+                kind="postgresql",
+                config={
+                    "host": "127.0.0.1",
+                    "port": self.o.port,
+                    "dbname": SINK_DATABASE,
+                    "user": "postgres",
+                    "sslmode": "disable",
+                },
+            )
+            sink.full_clean()
+            sink.save()
+            self.sink_datasources.append(sink)
+            for mode in ("append", "replace"):
+                self.bindings.append(
+                    binding(
+                        f"chaos-pg-{mode}",
+                        job(
+                            f"chaos-pg-{mode}",
+                            {"rows": 400, "batch": 50, "delay_ms": 150},
+                            {"table": f"public.chaos_{mode}", "mode": mode, "create": True},
+                        ),
+                        sink,
+                        concurrency=2 if mode == "append" else 1,
+                    )
+                )
+        if self._scheduling_available():
+            from scheduling.models import OverlapPolicy, Schedule
+
+            for b, overlap in (
+                (self.bindings[0], OverlapPolicy.SKIP),
+                (self.bindings[-1], OverlapPolicy.QUEUE),
+            ):
+                s = Schedule(binding=b, cron="* * * * *", timezone="UTC", overlap_policy=overlap)
+                s.full_clean()
+                s.save()
+                self.schedule_ids.append(s.id)
+            self.summary.schedules = len(self.schedule_ids)
+
+    @staticmethod
+    def _postgresql_available() -> bool:
+        from dispatch.connectors import registry
+
+        return "postgresql" in registry.kinds()
+
+    @staticmethod
+    def _scheduling_available() -> bool:
+        return (
+            apps.is_installed("scheduling")
+            and "scheduling_schedule" in connection.introspection.table_names()
+            and (
+                ROOT / "scheduling" / "management" / "commands" / "reconcile_schedules.py"
+            ).exists()
+        )
+
+    # --- processes ----------------------------------------------------------------------------
+    def _env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "DATABASE_URL": self.server.url(DATABASE),
+            "DJANGO_SETTINGS_MODULE": os.environ.get("DJANGO_SETTINGS_MODULE", "project.settings"),
+            "SECRET_KEY": settings.SECRET_KEY,
+            "DISPATCH_ENCRYPTION_KEYS": ",".join(conf.encryption_keys()),
+            "DISPATCH_CHANNEL": conf.channel(),
+            "DISPATCH_POLL_INTERVAL": "1",
+            "DISPATCH_RECOVERY_INTERVAL": "1",
+            "DISPATCH_SHUTDOWN_GRACE_SECONDS": "3",
+            "LOG_LEVEL": "INFO",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def _spawn(self, role: str, slot: str, args: list[str]) -> Proc:
+        self.generation[slot] += 1
+        name = f"chaos-{slot}.{self.generation[slot]}"
+        log_path = self.o.out_dir / f"{name}.log"
+        log = open(log_path, "wb")  # noqa: SIM115 - the child owns it
+        popen = subprocess.Popen(
+            [sys.executable, str(ROOT / "manage.py"), *args],
+            env=self._env(),
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # our Ctrl-C is not theirs; we stop them ourselves
+        )
+        log.close()
+        proc = Proc(role, name, popen, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def start_worker(self, slot: str) -> Proc:
+        return self._spawn(
+            "worker",
+            slot,
+            [
+                "runworker",
+                "--concurrency",
+                str(self.o.concurrency),
+                "--worker-id",
+                f"chaos-{slot}.{self.generation[slot] + 1}",
+            ],
+        )
+
+    def start_processes(self) -> None:
+        for i in range(self.o.workers):
+            self.start_worker(f"w{i}")
+        if self.schedule_ids:
+            for i in range(self.o.reconcilers):
+                self._spawn("reconciler", f"r{i}", ["reconcile_schedules", "--loop"])
+
+    def live(self, role: str | None = None) -> list[Proc]:
+        return [
+            p
+            for p in self.procs
+            if p.popen.poll() is None and not p.killed_by_us and (role is None or p.role == role)
+        ]
+
+    def _watch_processes(self) -> None:
+        """A process that exited without our doing is a finding: record its last lines,
+        then start a replacement so the campaign goes on."""
+        for p in list(self.procs):
+            code = p.popen.poll()
+            if code is None or p.killed_by_us:
+                continue
+            p.killed_by_us = True  # handled
+            tail = " | ".join(p.log_path.read_text(errors="replace").strip().splitlines()[-3:])
+            self.summary.unexpected_exits.append(
+                {"name": p.name, "code": code, "tail": tail[-600:]}
+            )
+            self.out(f"  ! {p.name} exited with {code}: {tail[-300:]}")
+            slot = p.name.removeprefix("chaos-").split(".")[0]
+            if p.role == "worker":
+                self.start_worker(slot)
+            else:
+                self._spawn("reconciler", slot, ["reconcile_schedules", "--loop"])
+
+    def stop_all(self, *, grace: float = 15.0) -> None:
+        for p in self.procs:
+            if p.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.popen.pid, signal.SIGCONT)
+                    p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.summary.notes.append(f"{p.name} did not stop within {grace:.0f}s of SIGTERM")
+                p.popen.kill()
+                p.popen.wait()
+
+    # --- the harness's own database calls survive the faults it injects --------------------
+    def db(self, fn: Callable[[], T], *, tries: int = 100) -> T:
+        for attempt in range(tries):
+            try:
+                return fn()
+            except DB_ERRORS:
+                self.summary.harness_db_retries += 1
+                with contextlib.suppress(*DB_ERRORS):
+                    connection.close()
+                if attempt == tries - 1:
+                    raise
+                time.sleep(min(0.1 * (attempt + 1), 1.0))  # back off while the server restarts
+        raise AssertionError("unreachable")
+
+    # --- triggers ------------------------------------------------------------------------------
+    def trigger_one(self) -> None:
+        self.triggers += 1
+        key = f"{self.tag}-{self.triggers}"
+        binding = self.rng.choice(self.bindings)
+        # The idempotency key makes the retry of a trigger whose commit we did not see
+        # (a killed connection, a restart) return the same run instead of a second one.
+        run = self.db(
+            lambda: services.trigger(
+                binding, trigger="API", idempotency_key=key, requested_by=self.tag
+            )
+        )
+        self.run_ids.add(run.id)
+
+    # --- faults ----------------------------------------------------------------------------
+    def plan(self) -> list[tuple[float, str]]:
+        """(offset seconds, kind) for the whole campaign: every kind once in a seeded order,
+        then weighted draws; exponential gaps with mean `fault_interval`."""
+        kinds = list(FAULT_KINDS)
+        self.rng.shuffle(kinds)
+        plan: list[tuple[float, str]] = []
+        t = 2.0
+        while t < self.o.duration - 2:
+            kind = (
+                kinds.pop(0)
+                if kinds
+                else self.rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()))[0]
+            )
+            plan.append((t, kind))
+            t += self.rng.expovariate(1 / self.o.fault_interval)
+        return plan
+
+    def busy_workers(self, *, sink_kind: str | None = None) -> list[Proc]:
+        from dispatch.models import Attempt
+
+        running = Attempt.objects.running()
+        if sink_kind:
+            running = running.filter(run__binding__sink__kind=sink_kind)
+        held = self.db(lambda: set(running.values_list("worker_id", flat=True).distinct()))
+        return [p for p in self.live("worker") if p.stopped_until is None and _worker_id(p) in held]
+
+    def inject(self, kind: str) -> bool:
+        handler = getattr(self, f"fault_{kind}")
+        done = bool(handler())
+        if done:
+            self.summary.faults[kind] += 1
+        return done
+
+    def fault_kill(self) -> bool:
+        victims = self.busy_workers() or [p for p in self.live("worker") if p.stopped_until is None]
+        if not victims:
+            return False
+        p = self.rng.choice(victims)
+        p.killed_by_us = True
+        p.popen.send_signal(signal.SIGKILL)
+        p.popen.wait()
+        self.start_worker(p.name.removeprefix("chaos-").split(".")[0])
+        return True
+
+    def fault_stop(self) -> bool:
+        # Prefer a worker writing to a fenced sink: its wake-up is what the fence is for.
+        victims = self.busy_workers(sink_kind="postgresql") or self.busy_workers()
+        if not victims:
+            return False
+        p = self.rng.choice(victims)
+        os.kill(p.popen.pid, signal.SIGSTOP)
+        # Long past its lease and a recovery pass, so a successor runs (and raises the sink
+        # fence) before the stale worker wakes up and tries to commit.
+        p.stopped_until = time.monotonic() + LEASE_SECONDS * 3 + 2
+        return True
+
+    def _resume_stopped(self, *, all_now: bool = False) -> None:
+        for p in self.procs:
+            if p.stopped_until is not None and (all_now or time.monotonic() >= p.stopped_until):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.popen.pid, signal.SIGCONT)
+                p.stopped_until = None
+
+    def _terminate(self, where: str, *params: Any) -> int:
+        with psycopg.connect(
+            self.server.url(DATABASE), autocommit=True, application_name=APP_NAME
+        ) as c:
+            pids = [
+                r[0] for r in c.execute(f"SELECT pid FROM pg_stat_activity WHERE {where}", params)
+            ]
+            if not pids:
+                return 0
+            chosen = self.rng.sample(pids, min(len(pids), 3))
+            c.execute("SELECT pg_terminate_backend(p) FROM unnest(%s::int[]) p", [chosen])
+            return len(chosen)
+
+    def fault_listen_kill(self) -> bool:
+        return self._terminate("application_name LIKE %s", "dispatch-listen %") > 0
+
+    def fault_conn_kill(self) -> bool:
+        # Workers' own connections (claims, heartbeats, settlements) and sink connections.
+        return self._terminate("application_name = %s AND pid <> pg_backend_pid()", "dispatch") > 0
+
+    def fault_pg_restart(self) -> bool:
+        if time.monotonic() - self.last_restart < 15:
+            return False
+        self.last_restart = time.monotonic()
+        with contextlib.suppress(*DB_ERRORS):
+            connection.close()
+        self.server.restart("immediate")
+        return True
+
+    def fault_notify_flood(self) -> bool:
+        live = [
+            str(r)
+            for r in self.db(lambda: list(Run.objects.live().values_list("id", flat=True)[:50]))
+        ]
+        payloads = [
+            "",
+            "not-a-uuid",
+            "x" * 200,
+            "{'run': 1}",
+            "00000000-0000-0000-0000-00000000000g",
+        ]
+        with psycopg.connect(
+            self.server.url(DATABASE), autocommit=True, application_name=APP_NAME
+        ) as c:
+            for _ in range(300):
+                roll = self.rng.random()
+                if roll < 0.4 and live:
+                    payload = self.rng.choice(live)  # duplicates of real wake-ups
+                elif roll < 0.7:
+                    payload = str(uuid.UUID(int=self.rng.getrandbits(128)))  # unknown ids
+                else:
+                    payload = self.rng.choice(payloads)  # garbage
+                c.execute("SELECT pg_notify(%s, %s)", [conf.channel(), payload])
+        return True
+
+    def _pick_run(self, statuses: list[str]) -> Run | None:
+        candidates = self.db(
+            lambda: list(
+                Run.objects.filter(requested_by=self.tag, status__in=statuses).values_list(
+                    "id", flat=True
+                )[:200]
+            )
+        )
+        if not candidates:
+            return None
+        return self.db(lambda: Run.objects.get(pk=self.rng.choice(candidates)))
+
+    def fault_cancel(self) -> bool:
+        run = self._pick_run([Status.PENDING, Status.RUNNING])
+        if run is None:
+            return False
+        try:
+            self.db(lambda: services.cancel_run(run, by="chaos"))
+        except services.ActionRefused as exc:
+            self.summary.refusals[f"cancel:{exc.code}"] += 1
+        return True
+
+    def fault_retry(self) -> bool:
+        run = self._pick_run([Status.FAILED, Status.CANCELLED])
+        if run is None:
+            return False
+        try:
+            self.db(lambda: services.retry_run(run, by="chaos"))
+        except services.ActionRefused as exc:
+            self.summary.refusals[f"retry:{exc.code}"] += 1
+        return True
+
+    def fault_edit_datasource(self) -> bool:
+        if not self.sink_datasources:
+            return False
+        ds = self.db(lambda: Datasource.objects.get(pk=self.sink_datasources[0].pk))
+        config = ds.config
+        # A harmless change that bumps the version: running attempts keep their snapshot,
+        # the next claim takes the new one.
+        config["sslmode"] = "prefer" if config.get("sslmode") == "disable" else "disable"
+        ds.config = config
+        self.db(lambda: ds.save())
+        return True
+
+    def fault_disable_binding(self) -> bool:
+        choices = [b for b in self.bindings if b.pk not in self.reenable_at]
+        if not choices:
+            return False
+        b = self.rng.choice(choices)
+        self.db(lambda: JobBinding.objects.filter(pk=b.pk).update(enabled=False))
+        self.reenable_at[b.pk] = time.monotonic() + self.rng.uniform(2, 6)
+        return True
+
+    def _reenable(self, *, all_now: bool = False) -> None:
+        for pk, at in list(self.reenable_at.items()):
+            if all_now or time.monotonic() >= at:
+                self.db(lambda pk=pk: JobBinding.objects.filter(pk=pk).update(enabled=True))
+                del self.reenable_at[pk]
+
+    # --- the campaign ------------------------------------------------------------------------
+    def run(self) -> Summary:
+        self.setup()
+        try:
+            self.start_processes()
+            self._fault_phase()
+            self._quiesce()
+            self._collect()
+        finally:
+            self._resume_stopped(all_now=True)
+            self.stop_all()
+            if not self.o.keep_server:
+                self.server.stop()
+        return self.summary
+
+    def _db_now(self) -> Any:
+        def now() -> Any:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT now()")
+                return cursor.fetchone()[0]
+
+        return self.db(now)
+
+    def _fault_phase(self) -> None:
+        plan = self.plan()
+        self.out(f"fault plan (seed {self.o.seed}): {len(plan)} faults over {self.o.duration:.0f}s")
+        started = time.monotonic()
+        self.fault_start = self._db_now()
+        next_trigger = started
+        while (elapsed := time.monotonic() - started) < self.o.duration:
+            if time.monotonic() >= next_trigger:
+                self.trigger_one()
+                next_trigger += self.rng.expovariate(self.o.trigger_rate)
+            while plan and plan[0][0] <= elapsed:
+                _, kind = plan.pop(0)
+                done = self.inject(kind)
+                self.out(f"  {elapsed:6.1f}s {kind}{'' if done else ' (nothing to hit)'}")
+            self._resume_stopped()
+            self._reenable()
+            self._watch_processes()
+            time.sleep(0.02)
+        self.fault_end = self._db_now()
+        self.summary.trigger_rate = self.triggers / self.o.duration
+
+    def _quiesce(self) -> None:
+        """Faults off: resume, re-enable, stop the reconcilers (their slots are judged up
+        to the next_fire_at they leave), then wait until every run is terminal."""
+        self._resume_stopped(all_now=True)
+        self._reenable(all_now=True)
+        for p in self.live("reconciler"):
+            p.killed_by_us = True
+            p.popen.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            if p.role == "reconciler":
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.popen.wait(15)
+        started = time.monotonic()
+        scope = self._scope_filter()
+        while time.monotonic() - started < self.o.quiesce_timeout:
+            self._watch_processes()
+            live = self.db(lambda: Run.objects.filter(scope).live().count())
+            if not live:
+                break
+            time.sleep(0.2)
+        self.summary.quiesce_seconds = time.monotonic() - started
+
+    def _scope_filter(self) -> Any:
+        from django.db.models import Q
+
+        return (
+            Q(requested_by=self.tag) | Q(id__in=self.run_ids) | Q(schedule_id__in=self.schedule_ids)
+        )
+
+    def _collect(self) -> None:
+        from django.db.models import Count
+
+        from dispatch.models import Attempt, Worker
+
+        s = self.summary
+        scope = self._scope_filter()
+        s.runs_created = len(self.run_ids)
+        s.scheduled_runs = self.db(
+            lambda: Run.objects.filter(schedule_id__in=self.schedule_ids).count()
+        )
+        s.statuses = dict(
+            self.db(
+                lambda: list(
+                    Run.objects.filter(scope).values_list("status").annotate(n=Count("id"))
+                )
+            )
+        )
+        s.attempts_by_origin = dict(
+            self.db(
+                lambda: list(
+                    Attempt.objects.filter(run__in=Run.objects.filter(scope))
+                    .values_list("origin")
+                    .annotate(n=Count("id"))
+                )
+            )
+        )
+        s.throughput_during_faults = self.db(
+            lambda: Run.objects.filter(
+                scope,
+                status=Status.SUCCEEDED,
+                finished_at__gte=self.fault_start,
+                finished_at__lte=self.fault_end,
+            ).count()
+        ) / max(1e-9, (self.fault_end - self.fault_start).total_seconds())
+        # Stop the workers first so their final stats are written (SIGTERM drains).
+        self.stop_all()
+        for stats in self.db(lambda: list(Worker.objects.values_list("stats", flat=True))):
+            for k, v in (stats or {}).items():
+                if isinstance(v, int):
+                    s.worker_stats[k] += v
+        for p in self.procs:
+            if p.role == "worker":
+                s.fenced_commit_log_lines += p.log_path.read_text(errors="replace").count(
+                    "stale commit refused by the sink fence"
+                )
+        report = self.db(
+            lambda: invariants.check(
+                invariants.Scope(
+                    run_ids=frozenset(self.run_ids),
+                    requested_by=self.tag,
+                    schedule_ids=frozenset(self.schedule_ids),
+                )
+            )
+        )
+        s.violations = [str(v) for v in report.violations]
+        s.notes.extend(report.notes)
+        (self.o.out_dir / "run-ids.txt").write_text(
+            "".join(f"{r}\n" for r in sorted(map(str, self.run_ids)))
+        )
+        (self.o.out_dir / "summary.json").write_text(
+            json.dumps(
+                {
+                    **{
+                        k: v
+                        for k, v in vars(s).items()
+                        if k not in ("faults", "refusals", "worker_stats")
+                    },
+                    "faults": dict(s.faults),
+                    "refusals": dict(s.refusals),
+                    "worker_stats": dict(s.worker_stats),
+                    "invariants": report.render(),
+                },
+                indent=2,
+                default=str,
+            )
+        )
+
+
+def _worker_id(p: Proc) -> str:
+    return p.name

@@ -1,0 +1,63 @@
+"""A short fault-injection campaign with a fixed seed: real workers, reconcilers and faults
+against the campaign's own embedded PostgreSQL, then the invariant checker. It must
+report 0 violations (the full campaign is `make chaos`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dispatch.chaos import FAULT_KINDS
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_chaos__short_campaign_reports_no_violation() -> None:
+    out = ROOT / ".data" / "chaos-test"
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PYTHONUNBUFFERED": "1",
+    }
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "manage.py"),
+            "chaos",
+            "--duration",
+            "35",
+            "--workers",
+            "3",
+            "--seed",
+            "11",
+            "--fault-interval",
+            "2",
+            # Its own server and port: a `make chaos` run may be going on at the same time.
+            "--data-dir",
+            str(ROOT / ".data" / "chaos-test-pg"),
+            "--port",
+            "54342",
+            "--out",
+            str(out),
+            "--quiesce-timeout",
+            "40",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "violations: 0" in output, output[-6000:]
+    summary = Path(out / "summary.json").read_text()
+    # The first round of the plan injects every kind of fault once.
+    for kind in FAULT_KINDS:
+        assert f'"{kind}"' in summary, f"fault {kind} was never injected:\n{output[-3000:]}"
+    assert "unexpected process exits: 0" in output, output[-6000:]
