@@ -404,7 +404,7 @@ class _Reader:
             result = pgconn.get_result()
             if result is None or result.status != pq.ExecStatus.COPY_OUT:
                 _raise_result(pgconn, result)
-            parts: list[bytes] = []
+            parts: list[bytes | memoryview] = []
             size = rows = 0
             while True:
                 nbytes, data = pgconn.get_copy_data(1)
