@@ -24,6 +24,7 @@ from scheduling.models import Schedule
 
 TRIGGER_PERMISSION = "dispatch.trigger_binding"
 UPCOMING = 5
+POLICY_FIELDS = ["misfire_policy", "overlap_policy"]
 
 
 def _link(viewname: str, pk: Any, text: str) -> str:
@@ -81,9 +82,8 @@ class ScheduleForm(forms.ModelForm):
 class ScheduleAdmin(admin.ModelAdmin):
     form = ScheduleForm
     list_display = [
-        "__str__",
-        "binding_link",
         "cron",
+        "binding_link",
         "timezone",
         "enabled",
         "misfire_policy",
@@ -93,7 +93,7 @@ class ScheduleAdmin(admin.ModelAdmin):
         "skip_count",
         "last_skip_reason",
     ]
-    list_display_links = ["__str__"]
+    list_display_links = ["cron"]
     list_filter = ["enabled", "misfire_policy", "overlap_policy", "last_skip_reason", "timezone"]
     search_fields = ["binding__name", "cron", "timezone"]
     # One query for the page: the binding and the last run are joined, the upcoming
@@ -110,26 +110,27 @@ class ScheduleAdmin(admin.ModelAdmin):
         "last_skip_at",
         "created_at",
     ]
-    fieldsets = [
-        (None, {"fields": ["binding", "cron", "timezone", "explanation", "enabled"]}),
-        ("Policies", {"fields": ["misfire_policy", "overlap_policy"]}),
-        (
-            "State",
-            {
-                "fields": [
-                    "next_fire_at",
-                    "upcoming",
-                    "last_fired_at",
-                    "last_run_link",
-                    "skip_count",
-                    "last_skip_reason",
-                    "last_skip_at",
-                    "created_at",
-                ]
-            },
-        ),
+    state_fields = [
+        "next_fire_at",
+        "upcoming",
+        "last_fired_at",
+        "last_run_link",
+        "skip_count",
+        "last_skip_reason",
+        "last_skip_at",
+        "created_at",
     ]
     actions = ["enable_schedules", "disable_schedules"]
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        main = ["binding", "cron", "timezone", "enabled"]
+        if obj is None:  # nothing to show about a schedule that does not exist yet
+            return [(None, {"fields": main}), ("Policies", {"fields": POLICY_FIELDS})]
+        return [
+            (None, {"fields": [*main[:3], "explanation", main[3]]}),
+            ("Policies", {"fields": POLICY_FIELDS}),
+            ("State", {"fields": self.state_fields}),
+        ]
 
     # --- permissions ------------------------------------------------------------------------
     def has_trigger_permission(self, request: HttpRequest) -> bool:
@@ -174,7 +175,7 @@ class ScheduleAdmin(admin.ModelAdmin):
             return f"cannot be evaluated: {exc}"
         return format_html_join(
             "",
-            "<div>{}</div>",
+            '<div style="white-space: nowrap">{}</div>',
             ((t.astimezone(slots.tz).strftime("%Y-%m-%d %H:%M %Z"),) for t in times),
         )
 

@@ -26,18 +26,18 @@ class MisfirePolicy(models.TextChoices):
 
     # One catch-up run for the latest missed slot (none of its own when an on-time slot
     # is due in the same pass: that run is the catch-up). The default.
-    FIRE_ONCE = "FIRE_ONCE", "Fire once (one catch-up run)"
+    FIRE_ONCE = "FIRE_ONCE", "Fire once"
     # No run for missed slots; the skip is recorded (reason MISFIRE).
-    SKIP = "SKIP", "Skip missed slots"
+    SKIP = "SKIP", "Skip"
 
 
 class OverlapPolicy(models.TextChoices):
     """What happens to a slot that comes due while this schedule's previous run is live."""
 
     # No run for the slot; the skip is recorded (reason OVERLAP). The default.
-    SKIP = "SKIP", "Skip while the previous run is live"
+    SKIP = "SKIP", "Skip"
     # Create the run; it waits behind the binding's max_concurrency like any other run.
-    QUEUE = "QUEUE", "Queue behind the previous run"
+    QUEUE = "QUEUE", "Queue"
 
 
 class SkipReason(models.TextChoices):

@@ -385,6 +385,11 @@ class ScheduleReconciler:
                     )
                     sleep = backoff
                     backoff = min(backoff * 2, RECONNECT_MAX_SECONDS)
+                except Exception:  # noqa: BLE001 - the loop must outlive one bad pass
+                    # Its transaction was rolled back; the next pass tries again.
+                    log.exception("schedule pass failed reconciler=%s", self.name)
+                    sleep = backoff
+                    backoff = min(backoff * 2, RECONNECT_MAX_SECONDS)
                 listener.wait(sleep, stop_event)
         finally:
             listener.close()
