@@ -172,18 +172,17 @@ class Runner:
     def settle(
         self, outcome: str, reason: str | None = None, error: str | None = None
     ) -> str | None:
-        kwargs = {
-            "reason": reason,
-            "error": sanitize(error, self.secrets) if error else None,
-            "rows_read": self.control.rows_read,
-            "rows_written": self.control.rows_written,
-        }
-        # The settlement is guarded by status + token, so repeating it after a lost
-        # connection is safe: if the first one committed, the repeat matches no row.
+        clean_error = sanitize(error, self.secrets) if error else None
         for delay in SETTLE_RETRY_DELAYS:
             try:
                 status = claims.settle(
-                    self.claimed.attempt_id, self.claimed.lease_token, outcome, **kwargs
+                    self.claimed.attempt_id,
+                    self.claimed.lease_token,
+                    outcome,
+                    reason=reason,
+                    error=clean_error,
+                    rows_read=self.control.rows_read,
+                    rows_written=self.control.rows_written,
                 )
                 break
             except (DjangoDBError, psycopg.Error) as exc:
@@ -231,12 +230,15 @@ class Runner:
         self.secrets = _secret_values(source, source_config) + _secret_values(sink, sink_config)
         ctx = Context(self.control)
         try:
-            with source.open_reader(source_config, c.source_spec, ctx) as reader:  # type: ignore[arg-type]
-                with sink.open_writer(sink_config, c.sink_spec, ctx, reader.columns) as writer:  # type: ignore[arg-type]
-                    self._transfer(ctx, reader, writer)
-                    if self.control.should_stop():
-                        raise Stopped("stop before commit")
-                    result = writer.commit()
+            # The writer is opened with the reader's columns (a sink may create its table).
+            with (
+                source.open_reader(source_config, c.source_spec, ctx) as reader,  # type: ignore[arg-type]
+                sink.open_writer(sink_config, c.sink_spec, ctx, reader.columns) as writer,  # type: ignore[arg-type]
+            ):
+                self._transfer(ctx, reader, writer)
+                if self.control.should_stop():
+                    raise Stopped("stop before commit")
+                result = writer.commit()
         except FenceRejected as exc:
             self.on_event("fenced_commits")
             self._log("stale commit refused by the sink fence: %s", exc, level=logging.WARNING)

@@ -16,6 +16,17 @@ DEMO_SOURCE_DB = "dispatch_demo_source"
 DEMO_SINK_DB = "dispatch_demo_sink"
 
 
+def _datasource(name: str, kind: str, config: dict[str, Any]) -> tuple[Datasource, bool]:
+    """get_or_create by name (config is a property stored encrypted, not a field)."""
+    existing = Datasource.objects.filter(name=name).first()
+    if existing is not None:
+        return existing, False
+    datasource = Datasource(name=name, kind=kind)
+    datasource.config = config
+    datasource.save()
+    return datasource, True
+
+
 class Command(BaseCommand):
     help = "Create a demo (datasources, jobs, bindings) and an admin login; idempotent."
 
@@ -29,12 +40,8 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         with transaction.atomic():
-            generate, _ = Datasource.objects.get_or_create(
-                name="demo-generator", defaults={"kind": "generate", "config": {}}
-            )
-            discard, _ = Datasource.objects.get_or_create(
-                name="demo-discard", defaults={"kind": "null", "config": {}}
-            )
+            generate, _ = _datasource("demo-generator", "generate", {})
+            discard, _ = _datasource("demo-discard", "null", {})
             job, _ = Job.objects.get_or_create(
                 name="demo-generate-100k",
                 defaults={
@@ -93,18 +100,11 @@ class Command(BaseCommand):
                 encoding="utf-8",
             )
         with transaction.atomic():
-            source, _ = Datasource.objects.get_or_create(
-                name="demo-pg-source",
-                defaults={"kind": "postgresql", "config": {**server, "dbname": DEMO_SOURCE_DB}},
+            source, _ = _datasource(
+                "demo-pg-source", "postgresql", {**server, "dbname": DEMO_SOURCE_DB}
             )
-            sink, _ = Datasource.objects.get_or_create(
-                name="demo-pg-sink",
-                defaults={"kind": "postgresql", "config": {**server, "dbname": DEMO_SINK_DB}},
-            )
-            files, _ = Datasource.objects.get_or_create(
-                name="demo-csv-files",
-                defaults={"kind": "csv", "config": {"base_dir": str(csv_dir)}},
-            )
+            sink, _ = _datasource("demo-pg-sink", "postgresql", {**server, "dbname": DEMO_SINK_DB})
+            files, _ = _datasource("demo-csv-files", "csv", {"base_dir": str(csv_dir)})
             pg_job, _ = Job.objects.get_or_create(
                 name="demo-orders-copy",
                 defaults={
