@@ -82,7 +82,7 @@ class ScheduleForm(forms.ModelForm):
 class ScheduleAdmin(admin.ModelAdmin):
     form = ScheduleForm
     list_display = [
-        "cron",
+        "cron_expression",
         "binding_link",
         "timezone",
         "enabled",
@@ -93,7 +93,7 @@ class ScheduleAdmin(admin.ModelAdmin):
         "skip_count",
         "last_skip_reason",
     ]
-    list_display_links = ["cron"]
+    list_display_links = ["cron_expression"]
     list_filter = ["enabled", "misfire_policy", "overlap_policy", "last_skip_reason", "timezone"]
     search_fields = ["binding__name", "cron", "timezone"]
     # One query for the page: the binding and the last run are joined, the upcoming
@@ -159,6 +159,10 @@ class ScheduleAdmin(admin.ModelAdmin):
         super().save_model(request, obj, form, change)
 
     # --- columns ------------------------------------------------------------------------------
+    @admin.display(description="cron", ordering="cron")
+    def cron_expression(self, obj: Schedule) -> str:
+        return format_html('<span style="white-space: nowrap">{}</span>', obj.cron)
+
     @admin.display(description="binding", ordering="binding__name")
     def binding_link(self, obj: Schedule) -> str:
         return _link("admin:dispatch_jobbinding_change", obj.binding_id, obj.binding.name)

@@ -45,8 +45,8 @@ class SkipReason(models.TextChoices):
 
     BINDING_DISABLED = "BINDING_DISABLED", "Binding disabled"
     JOB_DISABLED = "JOB_DISABLED", "Job disabled"
-    OVERLAP = "OVERLAP", "Previous run still live (overlap policy SKIP)"
-    MISFIRE = "MISFIRE", "Slot missed (misfire policy SKIP)"
+    OVERLAP = "OVERLAP", "Overlap (previous run live)"
+    MISFIRE = "MISFIRE", "Misfire (slot missed)"
 
 
 def validate_cron(value: str) -> None:

@@ -28,7 +28,7 @@ class Migration(migrations.Migration):
                 ('next_fire_at', models.DateTimeField(blank=True, editable=False, null=True)),
                 ('last_fired_at', models.DateTimeField(blank=True, editable=False, null=True)),
                 ('skip_count', models.PositiveIntegerField(default=0, editable=False)),
-                ('last_skip_reason', models.CharField(blank=True, choices=[('BINDING_DISABLED', 'Binding disabled'), ('JOB_DISABLED', 'Job disabled'), ('OVERLAP', 'Previous run still live (overlap policy SKIP)'), ('MISFIRE', 'Slot missed (misfire policy SKIP)')], editable=False, max_length=40, null=True)),
+                ('last_skip_reason', models.CharField(blank=True, choices=[('BINDING_DISABLED', 'Binding disabled'), ('JOB_DISABLED', 'Job disabled'), ('OVERLAP', 'Overlap (previous run live)'), ('MISFIRE', 'Misfire (slot missed)')], editable=False, max_length=40, null=True)),
                 ('last_skip_at', models.DateTimeField(blank=True, editable=False, null=True)),
                 ('created_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now(), editable=False)),
                 ('binding', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='schedules', to='dispatch.jobbinding')),
