@@ -479,3 +479,12 @@ def test_admin_changelist__shows_upcoming_times_and_last_run_without_n_plus_1(
     (run,) = runs_of(first)
     assert str(run.pk)[:8] in page
     assert page.count("02:30 CET") + page.count("02:30 CEST") >= 5
+
+
+# --- system checks --------------------------------------------------------------------------------
+def test_checks__bad_channel_and_grace_have_stable_ids() -> None:
+    from scheduling.checks import check_settings
+
+    assert check_settings() == []
+    with override_settings(DISPATCH_SCHEDULE_CHANNEL="", DISPATCH_MISFIRE_GRACE_SECONDS=0):
+        assert [e.id for e in check_settings()] == ["scheduling.E001", "scheduling.E002"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from datetime import timedelta
@@ -18,7 +20,7 @@ from dispatch.models import Run
 from dispatch.states import Status, Trigger
 from scheduling import conf
 from scheduling.models import OverlapPolicy, Schedule, db_now
-from tests.conftest import Processes, wait_until, worker_env
+from tests.conftest import ROOT, Processes, wait_until, worker_env
 from tests.factories import BindingFactory
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -152,3 +154,44 @@ def test_runworker_scheduler__scheduled_run_succeeds(processes: Processes) -> No
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(20) == 0
     assert "schedule reconciler started" in Processes.output(worker)
+
+
+REGISTER_AT_START = (
+    "import threading, project.wsgi\n"
+    "for t in threading.enumerate():\n"
+    "    if t.name == 'schedule-registration':\n"
+    "        t.join(30)\n"
+    "print('site up')\n"
+)
+
+
+def test_site_start__registers_schedules(processes: Processes) -> None:
+    schedule = Schedule.objects.create(binding=BindingFactory(), cron="* * * * *", timezone="UTC")
+    Schedule.objects.filter(pk=schedule.pk).update(next_fire_at=None)
+    result = subprocess.run(
+        [sys.executable, "-c", REGISTER_AT_START],
+        env=worker_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "site up" in result.stdout
+    schedule.refresh_from_db()
+    assert schedule.next_fire_at is not None and schedule.next_fire_at > db_now()
+
+
+def test_site_start__a_database_that_is_down_does_not_stop_the_site() -> None:
+    env = worker_env(DATABASE_URL="postgres://postgres@127.0.0.1:9/nowhere")
+    result = subprocess.run(
+        [sys.executable, "-c", REGISTER_AT_START],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "site up" in result.stdout
+    assert "schedules not registered at start" in result.stderr
