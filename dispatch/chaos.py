@@ -23,6 +23,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,6 +48,7 @@ SINK_DATABASE = "dispatch_chaos_sink"
 # hits the campaign itself.
 APP_NAME = "dispatch-chaos"
 LEASE_SECONDS = 3
+SLOW_COMMIT = "chaos-pg-slow-commit"
 FAULT_KINDS = (
     "kill",
     "stop",
@@ -209,10 +211,8 @@ class Campaign:
         self._create_definitions()
 
     def _create_definitions(self) -> None:
-        source = Datasource(name="chaos-source", kind="generate", config={})
-        source.save()
-        null = Datasource(name="chaos-null", kind="null", config={})
-        null.save()
+        source = _datasource("chaos-source", "generate", {})
+        null = _datasource("chaos-null", "null", {})
 
         def job(
             name: str, source_spec: dict[str, Any], sink_spec: dict[str, Any], **kw: Any
@@ -252,10 +252,10 @@ class Campaign:
         )
         if self._postgresql_available():
             self.summary.postgresql_sink = True
-            sink = Datasource(
-                name="chaos-pg-sink",
-                kind="postgresql",
-                config={
+            sink = _datasource(
+                "chaos-pg-sink",
+                "postgresql",
+                {
                     "host": "127.0.0.1",
                     "port": self.o.port,
                     "dbname": SINK_DATABASE,
@@ -263,8 +263,6 @@ class Campaign:
                     "sslmode": "disable",
                 },
             )
-            sink.full_clean()
-            sink.save()
             self.sink_datasources.append(sink)
             for mode in ("append", "replace"):
                 self.bindings.append(
@@ -279,6 +277,20 @@ class Campaign:
                         concurrency=2 if mode == "append" else 1,
                     )
                 )
+            # One batch, then two seconds before the commit: a worker stopped in that
+            # window wakes up with its data written and only the commit left, which is
+            # where the sink fence (not the heartbeat) has to refuse it.
+            self.bindings.append(
+                binding(
+                    SLOW_COMMIT,
+                    job(
+                        SLOW_COMMIT,
+                        {"rows": 100, "batch": 100, "delay_ms": 2000},
+                        {"table": "public.chaos_slow_commit", "mode": "append", "create": True},
+                    ),
+                    sink,
+                )
+            )
         if self._scheduling_available():
             from scheduling.models import OverlapPolicy, Schedule
 
@@ -449,12 +461,18 @@ class Campaign:
             t += self.rng.expovariate(1 / self.o.fault_interval)
         return plan
 
-    def busy_workers(self, *, sink_kind: str | None = None) -> list[Proc]:
+    def busy_workers(
+        self, *, sink_kind: str | None = None, before_commit: bool = False
+    ) -> list[Proc]:
         from dispatch.models import Attempt
 
         running = Attempt.objects.running()
         if sink_kind:
             running = running.filter(run__binding__sink__kind=sink_kind)
+        if before_commit:
+            # Its one batch is written (progress travels with the heartbeat): it now waits
+            # two seconds before its commit.
+            running = running.filter(run__binding__name=SLOW_COMMIT, rows_written__gt=0)
         held = self.db(lambda: set(running.values_list("worker_id", flat=True).distinct()))
         return [p for p in self.live("worker") if p.stopped_until is None and _worker_id(p) in held]
 
@@ -478,7 +496,11 @@ class Campaign:
 
     def fault_stop(self) -> bool:
         # Prefer a worker writing to a fenced sink: its wake-up is what the fence is for.
-        victims = self.busy_workers(sink_kind="postgresql") or self.busy_workers()
+        victims = (
+            self.busy_workers(before_commit=True)
+            or self.busy_workers(sink_kind="postgresql")
+            or self.busy_workers()
+        )
         if not victims:
             return False
         p = self.rng.choice(victims)
@@ -606,7 +628,7 @@ class Campaign:
     def _reenable(self, *, all_now: bool = False) -> None:
         for pk, at in list(self.reenable_at.items()):
             if all_now or time.monotonic() >= at:
-                self.db(lambda pk=pk: JobBinding.objects.filter(pk=pk).update(enabled=True))
+                self.db(partial(JobBinding.objects.filter(pk=pk).update, enabled=True))
                 del self.reenable_at[pk]
 
     # --- the campaign ------------------------------------------------------------------------
@@ -634,6 +656,7 @@ class Campaign:
 
     def _fault_phase(self) -> None:
         plan = self.plan()
+        uncovered = set(FAULT_KINDS)
         self.out(f"fault plan (seed {self.o.seed}): {len(plan)} faults over {self.o.duration:.0f}s")
         started = time.monotonic()
         self.fault_start = self._db_now()
@@ -646,6 +669,13 @@ class Campaign:
                 _, kind = plan.pop(0)
                 done = self.inject(kind)
                 self.out(f"  {elapsed:6.1f}s {kind}{'' if done else ' (nothing to hit)'}")
+                if done:
+                    uncovered.discard(kind)
+                elif kind in uncovered and elapsed + 1 < self.o.duration - 1:
+                    # Every kind is injected at least once: one that found nothing to hit
+                    # (no busy worker yet, no finished run to retry) is tried again.
+                    plan.append((elapsed + 1.0, kind))
+                    plan.sort()
             self._resume_stopped()
             self._reenable()
             self._watch_processes()
@@ -763,3 +793,11 @@ class Campaign:
 
 def _worker_id(p: Proc) -> str:
     return p.name
+
+
+def _datasource(name: str, kind: str, config: dict[str, Any]) -> Datasource:
+    ds = Datasource(name=name, kind=kind)
+    ds.config = config
+    ds.full_clean()
+    ds.save()
+    return ds

@@ -631,7 +631,19 @@ def load_schedules(state: State) -> list[ScheduleRow]:
         {"ids": [r[0] for r in rows]},
     ):
         fired[schedule_id][slot] = count
-    return [ScheduleRow(*row, fired=fired[row[0]]) for row in rows]
+    return [
+        ScheduleRow(
+            id=r[0],
+            cron=r[1],
+            timezone=r[2],
+            enabled=r[3],
+            created_at=r[4],
+            next_fire_at=r[5],
+            skip_count=r[6],
+            fired=fired[r[0]],
+        )
+        for r in rows
+    ]
 
 
 def slots_between(schedule: ScheduleRow, start: datetime, end: datetime) -> list[datetime]:
