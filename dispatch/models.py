@@ -6,6 +6,7 @@ through the guarded SQL functions in `dispatch/sql/` (never a bare `save()`).
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -116,6 +117,7 @@ class Datasource(models.Model):
     def clean(self) -> None:
         from dispatch.connectors import registry
 
+        check_json_size("config", self.config)
         try:
             connector = registry.get(self.kind)
         except registry.UnknownKind as exc:
@@ -129,6 +131,17 @@ class Datasource(models.Model):
 
 
 SECRET_MASK = "********"
+# Configs and specs are settings, not data: anything larger is a mistake, and it would be
+# copied into every attempt's snapshot.
+MAX_JSON_BYTES = 64 * 1024
+
+
+def check_json_size(field: str, value: Any) -> None:
+    size = len(json.dumps(value, separators=(",", ":")).encode())
+    if size > MAX_JSON_BYTES:
+        raise ValidationError(
+            {field: f"is {size:,} bytes of JSON; the limit is 64 KiB ({MAX_JSON_BYTES:,} bytes)"}
+        )
 
 
 _SECRET_WORDS = ("password", "passwd", "secret", "token", "key", "url", "dsn", "credential")
@@ -197,6 +210,8 @@ class Job(models.Model):
         return self.name
 
     def clean(self) -> None:
+        check_json_size("source_spec", self.source_spec)
+        check_json_size("sink_spec", self.sink_spec)
         if self.backoff_max_seconds < self.backoff_seconds:
             raise ValidationError({"backoff_max_seconds": "must be at least backoff_seconds"})
         if self.pk and not self._state.adding:

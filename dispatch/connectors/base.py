@@ -200,7 +200,10 @@ class Connector:
 
     @classmethod
     def open_writer(
-        cls, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext,
+        cls,
+        config: dict[str, Any],
+        spec: dict[str, Any],
+        ctx: TransferContext,
         columns: list[Column],
     ) -> contextlib.AbstractContextManager[Writer]:
         raise NotImplementedError
@@ -220,9 +223,14 @@ def check_unknown(spec: dict[str, Any], allowed: set[str]) -> None:
         )
 
 
-def int_field(spec: dict[str, Any], name: str, *, default: int | None, minimum: int = 0) -> int | None:
+def int_field(
+    spec: dict[str, Any], name: str, *, default: int | None, minimum: int = 0
+) -> int | None:
+    """An optional integer field; an explicit null is allowed only where the default is."""
     value = spec.get(name, default)
     if value is None:
+        if default is not None:
+            raise ValidationError(f"{name}: must be an integer >= {minimum}, not null")
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValidationError(f"{name}: must be an integer >= {minimum}")
