@@ -10,7 +10,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # What `python -m bench all` (and `make bench`) runs, in this order.
-ALL: list[str] = ["throughput", "latency", "claimcost", "contention", "recovery", "copy_pg"]
+ALL: list[str] = [
+    "throughput",
+    "latency",
+    "claimcost",
+    "contention",
+    "recovery",
+    "copy_pg",
+    "movement",
+]
 # Short names for modules whose own name says more (`python -m bench copy`).
 ALIASES: dict[str, str] = {"copy": "copy_pg"}
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 from django.db import connections
 
 from bench import common
 
 CLAIM = "SELECT * FROM dispatch_claim_v1('bench-claim', NULL, 1)"
+VARIANT = CLAIM.replace("dispatch_claim_v1", common.VARIANT_CLAIM)
 
 
 def cases(quick: bool) -> dict[str, tuple[int, int]]:
@@ -50,7 +52,7 @@ def load(server: str, case: str, pending: int, finished: int, reload: bool) -> N
         conn.execute("VACUUM ANALYZE")
 
 
-def sample(server: str, case: str, n: int) -> float:
+def sample(server: str, case: str, n: int, claim: str = CLAIM) -> float:
     """Median wall time (ms) of one claim round trip, each rolled back so every call sees
     the same table."""
     times = []
@@ -58,7 +60,7 @@ def sample(server: str, case: str, n: int) -> float:
         conn.autocommit = False
         for i in range(n + 5):
             t0 = time.perf_counter()
-            rows = conn.execute(CLAIM).fetchall()
+            rows = conn.execute(claim).fetchall()
             t1 = time.perf_counter()
             conn.rollback()
             if len(rows) != 1:
@@ -68,7 +70,7 @@ def sample(server: str, case: str, n: int) -> float:
     return statistics.median(times)
 
 
-def explain(server: str, case: str) -> str:
+def explain(server: str, case: str, claim: str = CLAIM) -> str:
     """The plans of the statements inside the claim, as executed (auto_explain with
     ANALYZE and BUFFERS, sent back to this session as messages)."""
     notes: list[str] = []
@@ -85,14 +87,66 @@ def explain(server: str, case: str) -> str:
             "SET auto_explain.log_level = notice",
         ):
             conn.execute(stmt)
-        conn.execute(CLAIM).fetchall()
+        conn.execute(claim).fetchall()
         conn.rollback()
     plans = [n for n in notes if "SKIP LOCKED" in n and "ORDER BY a.available_at" in n]
     return plans[0] if plans else "\n\n".join(notes)
 
 
+def findings(args: Any, report: common.Report) -> None:
+    """Stock claim against the variant (`common.variant_claim_sql`), side by side: at 1k
+    pending, and at 1k pending beside RUNNING attempts (the capacity count's cost)."""
+    running = 500 if args.quick else 5000
+    name = "running"
+    common.drop_database(args.server, dbname(name))
+    common.ensure_database(args.server, dbname(name), template=common.DISPATCH_DB)
+    with common.connect(args.server, dbname(name)) as conn:
+        common.bulk_runs(conn, running, status="RUNNING")
+        common.bulk_runs(conn, 1000, offset=running)
+        # Room for every running attempt: the claim must not miss on capacity.
+        conn.execute("UPDATE dispatch_jobbinding SET max_concurrency = 1000000")
+        conn.execute("VACUUM ANALYZE")
+    big = "50k" if args.quick else "1M"
+    for case in ("1k", name, big):
+        with common.connect(args.server, dbname(case)) as conn:
+            common.install_variant(conn)
+            conn.execute("ANALYZE dispatch_run")
+    cases = {
+        f"{c} {kind}": (lambda c=c, q=q: sample(args.server, c, args.samples, q))
+        for c in ("1k", name)
+        for kind, q in (("stock", CLAIM), ("variant", VARIANT))
+    }
+    res = common.alternate(args.rounds, cases)
+    rows = []
+    for c, label in (("1k", "1k pending"), (name, f"1k pending + {running:,} RUNNING")):
+        stock, variant = res[f"{c} stock"], res[f"{c} variant"]
+        ratio = common.Spread([v / s for s, v in zip(stock, variant, strict=True)])
+        rows.append(
+            [label, common.Spread(stock).fmt(2), common.Spread(variant).fmt(2), ratio.fmt()]
+        )
+    report.add(
+        "**Finding: the claim re-plans its candidate query on every call, and its capacity "
+        "count scans every RUNNING attempt.** Measured with a renamed copy of "
+        "`dispatch_claim_v1` (`bench_claim_variant`, installed only in the scratch "
+        "databases) that (1) counts a binding's running runs through a partial index "
+        "`dispatch_run (binding_id) WHERE status = 'RUNNING'` instead of joining every "
+        "RUNNING attempt to its run, and (2) is declared with `SET plan_cache_mode = "
+        f"force_generic_plan`; {args.samples} claims per case per round, rolled back."
+    )
+    report.add(common.table(["case", "stock ms", "variant ms", "variant / stock"], rows))
+    plan = explain(args.server, big, VARIANT)
+    for case in ("1k", name, big):  # later runs reuse these databases: leave them stock
+        with common.connect(args.server, dbname(case)) as conn:
+            common.drop_variant_index(conn)
+    report.add(
+        f"The variant's candidate query with {big} pending (generic plan, still an index "
+        f"scan):\n\n```\n{plan}\n```"
+    )
+
+
 def main(argv: list[str]) -> int:
     p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--findings", action="store_true", help="also measure the claim variant")
     p.add_argument("--samples", type=common.positive, default=200)
     p.add_argument("--reload", action="store_true", help="rebuild the scratch databases")
     args = p.parse_args(argv)
@@ -145,5 +199,7 @@ def main(argv: list[str]) -> int:
             f"The claim's candidate query with {label}, as run inside the function "
             f"(`auto_explain`, ANALYZE, BUFFERS):\n\n```\n{explain(args.server, case)}\n```"
         )
+    if args.findings:
+        findings(args, report)
     report.emit(doc=not args.no_doc)
     return 0

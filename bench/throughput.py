@@ -134,6 +134,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--concurrency", type=common.positive, default=4)
     p.add_argument("--bindings", type=common.positive, default=20)
     p.add_argument("--max-concurrency", type=common.positive, default=8)
+    if "--findings" in argv:
+        return findings([a for a in argv if a != "--findings"])
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.rounds = 400, 1
@@ -186,5 +188,180 @@ def main(argv: list[str]) -> int:
     )
     misses = sum(r["misses"] for r in results["dispatch"])
     report.add(f"Directed-claim misses reported by the dispatch workers: {misses}.")
+    report.emit(doc=not args.no_doc)
+    return 0
+
+
+# --- recorded findings: the worker's per-run costs ----------------------------------------
+# 1. `WorkerDispatchCoordinator._start` sets `_heartbeat_now` after every claim, so each run
+#    costs one extra write transaction (the heartbeat UPDATE of the worker row and of every
+#    held attempt) besides its claim and its settlement. The "heartbeat" variant (a
+#    subclass, run only by this benchmark) wakes the heartbeat thread only when the new
+#    lease needs a shorter interval than the one being waited on: the one case the wake-up
+#    exists for.
+# 2. The "claim" variant calls `bench_claim_variant` (see `common.variant_claim_sql`)
+#    instead of `dispatch_claim_v1`.
+VARIANTS = {"stock": set(), "heartbeat": {"heartbeat"}, "claim": {"claim"},
+            "both": {"heartbeat", "claim"}}  # fmt: skip
+
+
+def variant_worker_main(concurrency: int, worker_id: str, flags: str, burst: bool = True) -> None:
+    """`runworker [--burst]` with the variant coordinator (entry point of `python -c`)."""
+    import django
+
+    django.setup()
+    from dispatch import claims
+    from dispatch.coordinator import WorkerDispatchCoordinator
+
+    chosen = set(flags.split(",")) - {""}
+    if "claim" in chosen:
+        shipped = claims.query
+
+        def query(name: str) -> str:
+            text = shipped(name)
+            return (
+                text.replace("dispatch_claim_v1", common.VARIANT_CLAIM) if name == "claim" else text
+            )
+
+        claims.query = query  # type: ignore[assignment]
+
+    class Variant(WorkerDispatchCoordinator):
+        _waiting_on: float | None = None
+
+        def _heartbeat_interval(self) -> float:
+            self._waiting_on = super()._heartbeat_interval()
+            return self._waiting_on
+
+        def _start(self, claimed: Any) -> None:
+            waiting = self._waiting_on
+            real_set = self._heartbeat_now.set
+            # Skip the wake-up unless this lease needs a shorter interval.
+            if (
+                "heartbeat" in chosen
+                and waiting is not None
+                and claimed.lease_seconds / 3 >= waiting
+            ):
+                self._heartbeat_now.set = lambda: None  # type: ignore[method-assign]
+            try:
+                super()._start(claimed)
+            finally:
+                self._heartbeat_now.set = real_set  # type: ignore[method-assign]
+
+    Variant(concurrency=concurrency, worker_id=worker_id, burst=burst).run()
+
+
+def start_variant_workers(
+    n: int, concurrency: int, env: dict[str, str], variant: str, *, burst: bool, tag: str
+) -> list[common.Proc]:
+    import sys
+
+    code = (
+        "import sys; from bench.throughput import variant_worker_main; "
+        "variant_worker_main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == '1')"
+    )
+    flags = ",".join(sorted(VARIANTS[variant]))
+    return [
+        common.start(
+            [
+                sys.executable,
+                "-c",
+                code,
+                str(concurrency),
+                f"{tag}-{i}",
+                flags,
+                "1" if burst else "0",
+            ],
+            env,
+            f"{tag}-{i}.log",
+        )  # fmt: skip
+        for i in range(n)
+    ]
+
+
+def variant_round(args: Any, env: dict[str, str], variant: str) -> float:
+    import sys
+
+    flags = VARIANTS[variant]
+    with common.connect(args.server, common.DISPATCH_DB) as conn:
+        common.reset_dispatch(conn)
+        # The variant's index exists only in its own rounds (it costs every run update).
+        if "claim" in flags:
+            common.install_variant(conn)
+        else:
+            common.drop_variant_index(conn)
+        common.make_bindings(args.bindings, max_concurrency=args.max_concurrency)
+        common.bulk_runs(conn, args.runs)
+        conn.execute("ANALYZE dispatch_run, dispatch_attempt")
+        code = (
+            "import sys; from bench.throughput import variant_worker_main; "
+            "variant_worker_main(int(sys.argv[1]), sys.argv[2], sys.argv[3])"
+        )
+        procs = [
+            common.start(
+                [
+                    sys.executable,
+                    "-c",
+                    code,
+                    str(args.concurrency),
+                    f"{variant}-{i}",
+                    ",".join(sorted(flags)),
+                ],
+                env,
+                f"throughput-{variant}-{i}.log",
+            )  # fmt: skip
+            for i in range(args.workers)
+        ]
+        common.wait_procs(procs, timeout=900)
+        done, span = conn.execute(
+            "SELECT count(*) FILTER (WHERE status = 'SUCCEEDED'), "
+            "EXTRACT(EPOCH FROM max(finished_at) - min(claimed_at))::float8 FROM dispatch_attempt"
+        ).fetchone()
+        common.drop_variant_index(conn)
+    if done != args.runs:
+        raise RuntimeError(f"{variant}: {done} of {args.runs} runs succeeded")
+    return args.runs / span
+
+
+def findings(argv: list[str]) -> int:
+    """Stock worker against each variant, side by side (`throughput --findings`)."""
+    p = common.parser("stock runworker vs the variants")
+    p.add_argument("--runs", type=common.positive, default=5000)
+    p.add_argument("--workers", type=common.positive, default=2)
+    p.add_argument("--concurrency", type=common.positive, default=4)
+    p.add_argument("--bindings", type=common.positive, default=20)
+    p.add_argument("--max-concurrency", type=common.positive, default=8)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.runs, args.rounds = 400, 1
+    env = common.setup_django(args.server)
+    common.ensure_peer_schema(args.server)
+    cases: dict[str, Any] = {v: (lambda v=v: variant_round(args, env, v)) for v in VARIANTS}
+    cases["procrastinate"] = lambda: peer_round(args)["rate"]
+    res = common.alternate(args.rounds, cases)
+    report = common.Report(
+        "Finding: the worker's per-run costs (throughput, stock vs variants)",
+        ["throughput", "--findings", *argv],
+        args.server,
+    )
+    report.add(
+        "Same workload as the throughput benchmark. Every side is the same `runworker "
+        "--burst` code started through a small wrapper; `stock` changes nothing. `heartbeat`: "
+        "`WorkerDispatchCoordinator._start` wakes the heartbeat thread only when the new "
+        "lease needs a shorter interval (stock wakes it after every claim: one extra write "
+        "transaction per run). `claim`: the claim runs `bench_claim_variant`, a renamed copy "
+        "of `dispatch_claim_v1` with the capacity count on a partial index of running runs "
+        "and `plan_cache_mode = force_generic_plan`. `both`: the two. "
+        f"{args.rounds} alternated rounds."
+    )
+    stock = res["stock"]
+    rows = [["stock runs/s", common.Spread(stock).fmt(0), ""]]
+    for v in ("heartbeat", "claim", "both"):
+        ratio = common.Spread([x / s for x, s in zip(res[v], stock, strict=True)])
+        rows.append([f"{v} runs/s", common.Spread(res[v]).fmt(0), f"**{ratio.fmt()}**"])
+    peer = res["procrastinate"]
+    for row, v in zip(rows, ("stock", "heartbeat", "claim", "both"), strict=True):
+        row.append(common.Spread([x / y for x, y in zip(res[v], peer, strict=True)]).fmt())
+    rows.append(["Procrastinate jobs/s", common.Spread(peer).fmt(0), "", ""])
+    report.add(common.table(["", "median (min-max)", "/ stock", "/ Procrastinate"], rows))
     report.emit(doc=not args.no_doc)
     return 0
