@@ -273,7 +273,9 @@ def test_worker__burst_exits_when_nothing_is_claimable(processes):
 
 def test_worker__sleeps_exactly_until_a_retry_is_due_not_until_the_next_poll(processes):
     binding = BindingFactory(
-        job__max_attempts=2, job__backoff_seconds=2, job__backoff_max_seconds=2,
+        job__max_attempts=2,
+        job__backoff_seconds=2,
+        job__backoff_max_seconds=2,
         job__source_spec={"rows": 4, "batch": 1, "fail_after": 2},
     )
     start_worker(processes, "--poll-interval", "60")
