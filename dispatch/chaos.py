@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -115,6 +116,8 @@ class Summary:
     attempts_by_origin: dict[str, int] = field(default_factory=dict)
     worker_stats: Counter[str] = field(default_factory=Counter)
     fenced_commit_log_lines: int = 0
+    # Sink commits a stale worker made after its attempt was settled without a successor.
+    stale_commits_accepted: int = 0
     unexpected_exits: list[dict[str, Any]] = field(default_factory=list)
     harness_db_retries: int = 0
     throughput_during_faults: float = 0.0
@@ -138,7 +141,8 @@ class Summary:
             f"  attempts by origin: {dict(sorted(self.attempts_by_origin.items()))}",
             f"  stale sink commits rejected by the fence: "
             f"{self.worker_stats.get('fenced_commits', 0)} (worker stats), "
-            f"{self.fenced_commit_log_lines} (log lines)",
+            f"{self.fenced_commit_log_lines} (log lines); stale sink commits accepted: "
+            f"{self.stale_commits_accepted}",
             "  worker stats: "
             + ", ".join(
                 f"{k}={self.worker_stats[k]}"
@@ -712,6 +716,41 @@ class Campaign:
             Q(requested_by=self.tag) | Q(id__in=self.run_ids) | Q(schedule_id__in=self.schedule_ids)
         )
 
+    def stale_sink_commits(self) -> list[str]:
+        """Sink commits that a stale worker made after recovery had settled its attempt
+        without a successor (CANCELLED or FAILED): nothing newer raised the run's sink
+        fence, so the fence let the commit through. The database alone cannot tell this
+        from a worker killed between its commit and its settlement; the worker's own log
+        line ("attempt lost before its outcome was recorded outcome=SUCCEEDED", written
+        after its commit) can."""
+        found = []
+        for p in self.procs:
+            if p.role != "worker":
+                continue
+            for m in STALE_SUCCESS.finditer(p.log_path.read_text(errors="replace")):
+                run = self.db(partial(Run.objects.filter(pk=m["run"]).first))
+                if run is None or run.status == Status.SUCCEEDED:
+                    continue  # a successor recorded ALREADY_COMMITTED: data once, run done
+                if not self.sink_datasources or run.binding_id not in {
+                    b.pk for b in self.bindings if b.sink_id == self.sink_datasources[0].pk
+                }:
+                    continue  # no fenced sink: nothing was written
+                with psycopg.connect(
+                    self.server.url(SINK_DATABASE), autocommit=True, application_name=APP_NAME
+                ) as c:
+                    fence = c.execute(
+                        "SELECT token FROM public.dispatch_fence"
+                        " WHERE run_id = %s AND committed_at IS NOT NULL",
+                        [run.pk],
+                    ).fetchone()
+                if fence is not None and fence[0] == int(m["token"]):
+                    found.append(
+                        f"[stale_sink_commit] {run.pk}: {p.name} committed attempt "
+                        f"{m['number']}'s data (token {m['token']}) to the sink after recovery "
+                        f"had settled the attempt; the run is {run.status}"
+                    )
+        return found
+
     def _collect(self) -> None:
         from django.db.models import Count
 
@@ -768,6 +807,9 @@ class Campaign:
             )
         )
         s.violations = [str(v) for v in report.violations]
+        stale = self.stale_sink_commits()
+        s.stale_commits_accepted = len(stale)
+        s.violations.extend(stale)
         s.notes.extend(report.notes)
         (self.o.out_dir / "run-ids.txt").write_text(
             "".join(f"{r}\n" for r in sorted(map(str, self.run_ids)))
@@ -789,6 +831,12 @@ class Campaign:
                 default=str,
             )
         )
+
+
+STALE_SUCCESS = re.compile(
+    r"attempt lost before its outcome was recorded outcome=SUCCEEDED "
+    r"run=(?P<run>[0-9a-f-]{36}) attempt=(?P<number>\d+) token=(?P<token>\d+)"
+)
 
 
 def _worker_id(p: Proc) -> str:
