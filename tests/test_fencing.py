@@ -217,3 +217,24 @@ def test_exactly_once__worker_killed_between_sink_commit_and_outcome(
     assert _fence_row(dst_db, run.id)[1] == first.id
     successor.send_signal(signal.SIGTERM)
     assert successor.wait(20) == 0
+
+
+@pytest.mark.django_db
+def test_fence__attempt_ended_without_successor_cannot_commit(dst_db: ScratchDB) -> None:
+    """Recovery or an operator ended the attempt (FAILED/CANCELLED, no successor): no newer
+    token raised the fence, so the commit re-checks the attempt itself and refuses."""
+    dst_db.execute(ORDERS)
+    ctx = Ctx(Fence(token=7))
+    spec = {"table": "orders", "mode": "append"}
+    with (
+        GenerateConnector.open_reader({}, {"rows": 50, "seed": 7}, ctx) as reader,
+        PG.open_writer(dst_db.config, spec, ctx, reader.columns) as writer,
+    ):
+        for batch in reader.batches():
+            writer.write(batch)
+        ctx.fence.lost = True  # e.g. paused past its lease, then settled by recovery
+        with pytest.raises(FenceRejected, match="no longer this worker's"):
+            writer.commit()
+    assert dst_db.execute("SELECT count(*) FROM orders") == [(0,)]
+    token, attempt, committed = _fence_row(dst_db, ctx.fence.run_id)
+    assert (token, committed) == (7, False)

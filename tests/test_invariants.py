@@ -4,7 +4,6 @@ check in question reports it; a consistent state reports nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import uuid
 from datetime import timedelta
@@ -192,12 +191,6 @@ def test_command__bad_run_id_file(tmp_path: Path) -> None:
 
 
 # --- PostgreSQL sinks ---------------------------------------------------------------------
-needs_postgresql_connector = pytest.mark.skipif(
-    importlib.util.find_spec("dispatch.connectors.postgresql") is None,
-    reason="the postgresql connector has not landed",
-)
-
-
 def _sink_config() -> dict[str, Any]:
     s = connection.settings_dict
     config: dict[str, Any] = {
@@ -239,7 +232,6 @@ def _pg_sink_run(mode: str = "append") -> Run:
     return run
 
 
-@needs_postgresql_connector
 def test_check__pg_sink_consistent_then_duplicated_rows() -> None:
     run = _pg_sink_run()
     report = invariants.check(scope_of(run))
@@ -252,7 +244,6 @@ def test_check__pg_sink_consistent_then_duplicated_rows() -> None:
     assert "multiplicities {1: 2, 2: 1}" in report.render()
 
 
-@needs_postgresql_connector
 def test_check__pg_sink_lost_rows() -> None:
     run = _pg_sink_run()
     with connection.cursor() as cursor:
@@ -260,7 +251,6 @@ def test_check__pg_sink_lost_rows() -> None:
     assert checks_failing(invariants.check(scope_of(run))) == {"sink_rows"}
 
 
-@needs_postgresql_connector
 def test_check__pg_sink_fence_uncommitted_or_naming_another_attempt() -> None:
     run = _pg_sink_run()
     with connection.cursor() as cursor:
@@ -274,7 +264,6 @@ def test_check__pg_sink_fence_uncommitted_or_naming_another_attempt() -> None:
     assert "SUCCEEDED but its fence is not committed" in report.render()
 
 
-@needs_postgresql_connector
 def test_check__pg_sink_committed_by_a_later_attempt_than_the_succeeded_one() -> None:
     run = _pg_sink_run()
     first = Attempt.objects.get(run=run)
@@ -294,10 +283,6 @@ def test_check__pg_sink_committed_by_a_later_attempt_than_the_succeeded_one() ->
 
 # --- schedules ------------------------------------------------------------------------------
 def _schedule_model() -> Any:
-    if importlib.util.find_spec("scheduling.models") is None:
-        pytest.skip("the scheduling app has not landed")
-    if "scheduling_schedule" not in connection.introspection.table_names():
-        pytest.skip("the scheduling app has no table")
     from scheduling.models import Schedule
 
     return Schedule

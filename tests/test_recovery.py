@@ -238,3 +238,23 @@ def test_lease_seconds_below_two_is_rejected_by_the_database():
     job = BindingFactory().job
     with pytest.raises(IntegrityError), transaction.atomic():
         Job.objects.filter(pk=job.pk).update(lease_seconds=1)
+
+
+def test_attempt_fence__check_fails_once_the_attempt_is_settled_or_heartbeats_are_stale():
+    from dispatch.connectors.base import LeaseLost
+    from dispatch.runner import AttemptFence, ExecutionControl
+
+    run = trigger(BindingFactory(job__max_attempts=1))
+    c = claim_one()
+    control = ExecutionControl(c)
+    fence = AttemptFence(control)
+    fence.check()  # ours: RUNNING with our token, heartbeat fresh
+    control.last_heartbeat_ok -= c.lease_seconds + 1  # our own clock says the lease is gone
+    with pytest.raises(LeaseLost, match="no successful heartbeat"):
+        fence.check()
+    control.last_heartbeat_ok += c.lease_seconds + 1
+    services.cancel_run(run)
+    expire(Attempt(pk=c.attempt_id))
+    claims.recover()  # CANCELLED, no successor
+    with pytest.raises(LeaseLost, match="no longer this worker's"):
+        fence.check()

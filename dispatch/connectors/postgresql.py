@@ -26,6 +26,7 @@ from dispatch.connectors.base import (
     Connector,
     ConnectorError,
     FenceRejected,
+    LeaseLost,
     PermanentError,
     TransferContext,
     TransientError,
@@ -569,6 +570,24 @@ class _Writer:
             raise PermanentError(f"sink {self.schema}.{self.name} is not a table")
         return {r[0]: (r[1], r[2]) for r in rows if r[0] is not None}
 
+    def _create_table(self, table: sql.Composed, key: list[str] | None) -> None:
+        assert self.conn is not None
+        self.conn.execute(
+            sql.SQL("CREATE TABLE {} ({}{})").format(
+                table,
+                sql.SQL(", ").join(
+                    # Types come from format_type() on the source server; they are SQL
+                    # type text, not identifiers, so they are passed as SQL. Untyped
+                    # columns (a CSV source) become text.
+                    sql.SQL("{} {}").format(sql.Identifier(c.name), sql.SQL(c.type or "text"))  # type: ignore[arg-type]
+                    for c in self.source_columns
+                ),
+                sql.SQL(", PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, key)))
+                if key
+                else sql.SQL(""),
+            )
+        )
+
     def _prepare(self) -> None:
         """Begin the data transaction: create the table if asked, lock and clear for
         replace, stage for upsert."""
@@ -587,23 +606,14 @@ class _Writer:
                 raise PermanentError("cannot create the sink table: the source has no columns")
             key = self.spec.get("key") if self.mode == "upsert" else None
             # Inside the data transaction: a failed load leaves no half-made table behind.
-            conn.execute(
-                sql.SQL("CREATE TABLE {} ({}{})").format(
-                    table,
-                    sql.SQL(", ").join(
-                        # Types come from format_type() on the source server; they are SQL
-                        # type text, not identifiers, so they are passed as SQL. Untyped
-                        # columns (a CSV source) become text.
-                        sql.SQL("{} {}").format(sql.Identifier(c.name), sql.SQL(c.type or "text"))  # type: ignore[arg-type]
-                        for c in self.source_columns
-                    ),
-                    sql.SQL(", PRIMARY KEY ({})").format(
-                        sql.SQL(", ").join(map(sql.Identifier, key))
-                    )
-                    if key
-                    else sql.SQL(""),
-                )
-            )
+            # In a savepoint: two first runs may create it at once; the loser's CREATE waits
+            # for the winner's commit, fails on the catalog's unique index, and then uses
+            # the winner's table (a fresh statement in READ COMMITTED sees it).
+            try:
+                with conn.transaction():
+                    self._create_table(table, key)
+            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+                pass
             target = self._target_columns()
             assert target is not None
         missing = [n for n in names if n not in target]
@@ -731,6 +741,16 @@ class _Writer:
                     f"sink fence of run {fence.run_id} no longer at token {fence.token}: "
                     "a newer attempt started or the run's data is already committed"
                 )
+            # The fence stops a *newer* attempt's rival; an attempt that recovery or an
+            # operator ended without a successor (FAILED, CANCELLED) raises no fence. So,
+            # holding the fence row, re-check that the attempt is still ours (status +
+            # token, and a heartbeat within the lease by our own clock) just before
+            # COMMIT. What is left is the milliseconds between this check and COMMIT.
+            try:
+                fence.check()
+            except LeaseLost as exc:
+                conn.rollback()
+                raise FenceRejected(f"attempt no longer this worker's at commit: {exc}") from None
             conn.commit()
         return WriteResult(rows_written=self.rows)
 
