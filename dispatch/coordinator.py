@@ -556,6 +556,7 @@ class WorkerDispatchCoordinator:
         with self._lock:
             held = [e for e in self.executions.values() if not e.done.is_set()]
             stats = dict(self.stats)
+        sent_at = time.monotonic()
         beats = claims.heartbeat(
             self.worker_id,
             [
@@ -582,7 +583,7 @@ class WorkerDispatchCoordinator:
                     )
                     e.control.stop(StopCause.LEASE_LOST)
                 continue
-            e.control.heartbeat_ok(beat.lease_seconds)
+            e.control.heartbeat_ok(beat.lease_seconds, sent_at)
             if beat.cancel_requested:
                 e.control.stop(StopCause.CANCEL)
 

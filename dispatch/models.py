@@ -22,6 +22,10 @@ from dispatch.states import BlockedReason, Origin, Reason, Status, Trigger
 _LIVE = Q(status__in=[Status.PENDING, Status.RUNNING])
 
 
+# Written only together, by a config change (see Datasource.save).
+_CONFIG_COLUMNS = frozenset({"config_ciphertext", "version", "redacted_config"})
+
+
 class DatasourceQuerySet(models.QuerySet["Datasource"]):
     def enabled(self) -> DatasourceQuerySet:
         return self.filter(enabled=True)
@@ -66,6 +70,14 @@ class Datasource(models.Model):
         from dispatch.connectors import registry
 
         if not self._config_dirty:
+            if not self._state.adding and "update_fields" not in kwargs:
+                # Leave the ciphertext, its version and the redacted copy alone: this
+                # instance may hold values older than a concurrent edit or key rotation.
+                kwargs["update_fields"] = [
+                    f.name
+                    for f in self._meta.concrete_fields
+                    if not f.primary_key and f.name not in _CONFIG_COLUMNS
+                ]
             super().save(*args, **kwargs)
             return
         config = self._plain_config or {}

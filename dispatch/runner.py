@@ -35,9 +35,6 @@ from dispatch.states import Reason
 log = logging.getLogger("dispatch.runner")
 
 MAX_ERROR_CHARS = 4000
-# Pauses between tries of recording an outcome when the database connection fails
-# (None: give up, and recovery settles the attempt when its lease runs out).
-SETTLE_RETRY_DELAYS: tuple[float | None, ...] = (0.5, 1.0, 2.0, 4.0, None)
 
 
 class StopCause(enum.Enum):
@@ -71,9 +68,15 @@ class ExecutionControl:
             self.stop(StopCause.TIMEOUT)
         return self._event.is_set()
 
-    def heartbeat_ok(self, lease_seconds: int) -> None:
-        self.last_heartbeat_ok = time.monotonic()
+    def heartbeat_ok(self, lease_seconds: int, sent_at: float) -> None:
+        """A heartbeat sent at `sent_at` (monotonic) extended the lease: the database
+        extended it no earlier than that, so the lease is counted from the sending."""
+        self.last_heartbeat_ok = max(self.last_heartbeat_ok, sent_at)
         self.lease_seconds = lease_seconds
+
+    def lease_may_be_ours(self, after: float = 0.0) -> bool:
+        """By our own clock, could the lease still be valid `after` seconds from now?"""
+        return time.monotonic() + after < self.last_heartbeat_ok + self.lease_seconds
 
     def wait(self, seconds: float) -> bool:
         """Sleep up to `seconds`; True if told to stop meanwhile."""
@@ -98,7 +101,7 @@ class AttemptFence:
     def check(self) -> None:
         """Raise LeaseLost unless the attempt is still RUNNING with our token, and our
         last successful heartbeat (by this worker's monotonic clock) is within the lease."""
-        if time.monotonic() - self._control.last_heartbeat_ok > self._control.lease_seconds:
+        if not self._control.lease_may_be_ours():
             raise LeaseLost("no successful heartbeat within the lease")
         with connection.cursor() as cursor:
             cursor.execute(
@@ -173,7 +176,12 @@ class Runner:
         self, outcome: str, reason: str | None = None, error: str | None = None
     ) -> str | None:
         clean_error = sanitize(error, self.secrets) if error else None
-        for delay in SETTLE_RETRY_DELAYS:
+        # The settlement is guarded by status + token, so repeating it after a lost
+        # connection is safe: if the first one committed, the repeat matches no row. Keep
+        # trying while the lease may still be ours (the execution stays registered, so the
+        # heartbeat keeps extending it); after that, recovery settles the attempt.
+        delay = 0.5
+        while True:
             try:
                 status = claims.settle(
                     self.claimed.attempt_id,
@@ -186,7 +194,7 @@ class Runner:
                 )
                 break
             except (DjangoDBError, psycopg.Error) as exc:
-                if delay is None:
+                if not self.control.lease_may_be_ours(after=delay):
                     raise
                 self._log(
                     "outcome not recorded yet, retrying in %.1fs error=%s",
@@ -197,6 +205,7 @@ class Runner:
                 with contextlib.suppress(Exception):
                     connection.close()
                 time.sleep(delay)
+                delay = min(delay * 2, 5.0)
         if status is None:
             self.on_event("lease_lost")
             self._log(
@@ -236,7 +245,9 @@ class Runner:
                 sink.open_writer(sink_config, c.sink_spec, ctx, reader.columns) as writer,  # type: ignore[arg-type]
             ):
                 self._transfer(ctx, reader, writer)
-                if self.control.should_stop():
+                # A run whose data is already committed succeeds whatever else is asked;
+                # otherwise a stop requested meanwhile wins over committing now.
+                if not getattr(writer, "already_committed", False) and self.control.should_stop():
                     raise Stopped("stop before commit")
                 result = writer.commit()
         except FenceRejected as exc:

@@ -61,11 +61,15 @@ def notify(run_id: uuid.UUID | str) -> None:
     Runs as its own autocommit statement with synchronous_commit off for that one
     transaction, so it does not wait for a WAL flush.
     """
-    statement = "notify_in_transaction" if connection.in_atomic_block else "notify"
+    if connection.in_atomic_block:
+        # Never inside the caller's transaction: a full notification queue would fail
+        # its commit. Sent once it has committed (and not at all if it rolls back).
+        transaction.on_commit(lambda: notify(run_id))
+        return
     try:
         with connection.cursor() as cursor:
             cursor.execute(
-                sqlfiles.query(statement), {"channel": conf.channel(), "payload": str(run_id)}
+                sqlfiles.query("notify"), {"channel": conf.channel(), "payload": str(run_id)}
             )
     except Exception:  # noqa: BLE001 - the trigger has committed; never undo or fail it
         log.warning(
@@ -253,6 +257,10 @@ def release_attempt(attempt: Attempt | uuid.UUID | str, *, by: Any = None) -> Ou
             (status,) = cursor.fetchone()
         if status is None:  # cannot happen while we hold the locks; never guess
             raise ActionRefused("NOT_RUNNING", f"Attempt {attempt_id} is not running.")
+        if status == Status.CANCELLED:
+            # The run had a cancel request: releasing it settles the cancel instead.
+            log.info("attempt released into its requested cancel run=%s", locked.pk)
+            return Outcome.CANCELLED
         _notify_on_commit(locked.pk)
     log.info(
         "attempt released run=%s attempt=%s worker=%s by=%s",

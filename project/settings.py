@@ -47,6 +47,17 @@ if not DATABASES["default"]["ENGINE"].endswith("postgresql"):
     raise ImproperlyConfigured("dispatch needs PostgreSQL: DATABASE_URL must be a postgres:// URL.")
 DATABASES["default"].setdefault("OPTIONS", {})
 DATABASES["default"]["OPTIONS"].setdefault("application_name", "dispatch")
+# A worker must notice a dead network in seconds, not at the kernel's TCP timeout (hours):
+# bounded connects, TCP keepalives, and a cap on unacknowledged sends.
+for _option, _value in {
+    "connect_timeout": env.int("DATABASE_CONNECT_TIMEOUT", default=10),
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60_000,
+}.items():
+    DATABASES["default"]["OPTIONS"].setdefault(_option, _value)
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=0)
 
 INSTALLED_APPS = [

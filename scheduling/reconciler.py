@@ -259,6 +259,13 @@ class ScheduleReconciler:
             assert schedule_id is not None
             log.error("schedule cannot be evaluated schedule=%s error=%s", schedule_id, exc)
             raise _ScheduleFailed(schedule_id) from exc
+        except Exception as exc:
+            # A database error ends the pass (the loop backs off); anything else is this
+            # schedule's problem and must not block the schedules due behind it.
+            if schedule_id is None or isinstance(exc, DB_ERRORS):
+                raise
+            log.exception("schedule failed to fire schedule=%s", schedule_id)
+            raise _ScheduleFailed(schedule_id) from exc
 
     def _apply(
         self,

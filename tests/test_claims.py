@@ -249,3 +249,34 @@ def test_claim__two_processes_race_the_directed_claim_exactly_one_wins():
     assert sorted(results, key=lambda r: r[1]) == [(str(other.id), False), (str(target.id), True)]
     assert [a.status for a in attempts_of(target)] == [Status.RUNNING]
     assert [a.status for a in attempts_of(other)] == [Status.RUNNING]
+
+
+def test_claim__does_not_wait_for_an_open_transaction_that_created_a_run_of_the_binding():
+    """Inserting a run takes FOR KEY SHARE on its binding (the foreign key) until commit;
+    the claim's binding lock must not queue behind it."""
+    from django.db import connection
+
+    binding = BindingFactory(max_concurrency=5)
+    due = trigger(binding)
+    with raw_connection() as other:
+        other.execute("SELECT 1 FROM dispatch_jobbinding WHERE id = %s FOR KEY SHARE", [binding.pk])
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '2s'")
+        try:
+            got = claims.claim("w1", limit=1)
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("RESET lock_timeout")
+    assert [c.run_id for c in got] == [due.id]
+
+
+def test_datasource__saving_other_fields_never_writes_back_a_stale_config():
+    source = DatasourceFactory(config={"v": 1})
+    stale = Datasource.objects.get(pk=source.pk)
+    fresh = Datasource.objects.get(pk=source.pk)
+    fresh.config = {"v": 2}
+    fresh.save()
+    stale.name = "renamed-elsewhere"
+    stale.save()  # loaded before the edit: must not restore version 1's ciphertext
+    current = Datasource.objects.get(pk=source.pk)
+    assert (current.name, current.version, current.config) == ("renamed-elsewhere", 2, {"v": 2})

@@ -283,3 +283,21 @@ def test_status_of_run_is_always_its_latest_attempts():
     claims.claim("w", limit=2)
     for run in Run.objects.all():
         assert run.status == attempts_of(run)[-1].status
+
+
+def test_release__of_a_run_with_a_cancel_request_settles_the_cancel():
+    run = trigger(BindingFactory())
+    c = claim_one()
+    services.cancel_run(run)
+    assert services.release_attempt(Attempt(pk=c.attempt_id)) == Outcome.CANCELLED
+    assert [a.status for a in attempts_of(run)] == [Status.CANCELLED]
+    assert Run.objects.get(pk=run.pk).status == Status.CANCELLED
+
+
+def test_notify__inside_a_transaction_is_sent_only_after_the_commit():
+    run = trigger(BindingFactory())
+    with listener() as conn:
+        with transaction.atomic():
+            services.notify(run.id)
+            assert received(conn, timeout=0.2) == []
+        assert received(conn) == [str(run.id)]

@@ -35,10 +35,6 @@ SELECT EXTRACT(EPOCH FROM (min(available_at) - clock_timestamp()))::float8
 -- wake-up does not wait for a WAL flush.
 SELECT set_config('synchronous_commit', 'off', true), pg_notify(%(channel)s, %(payload)s);
 
--- name: notify_in_transaction
--- The wake-up when the caller is inside a transaction (it is sent at that commit).
-SELECT pg_notify(%(channel)s, %(payload)s);
-
 -- name: register_worker
 INSERT INTO dispatch_worker (id, host, pid, concurrency, started_at, heartbeat_at, stats)
 VALUES (%(id)s, %(host)s, %(pid)s, %(concurrency)s, clock_timestamp(), clock_timestamp(), '{}')

@@ -37,8 +37,8 @@ $$;
 -- generic: the oldest due attempts fill the remaining slots (p_generic = false limits the
 -- call to the directed attempt, for a burst of notifications after a miss).
 -- Locks: run + attempt FOR UPDATE SKIP LOCKED (never waits for a run while holding an
--- attempt); then every binding FOR UPDATE in ascending id (serialises the capacity
--- count); then every datasource FOR SHARE in ascending id (holds off an edit while the
+-- attempt); then every binding FOR NO KEY UPDATE in ascending id (serialises the
+-- capacity count); then every datasource FOR SHARE in ascending id (holds off an edit while the
 -- snapshot is copied, without serialising claims that share a datasource). Each kind of
 -- lock is taken for the whole batch before the next kind. Then each candidate is
 -- re-checked by a new statement, i.e. on a fresh snapshot taken after the locks.
@@ -119,9 +119,12 @@ BEGIN
         RETURN;
     END IF;
 
-    -- 2. Bindings, FOR UPDATE, ascending id.
+    -- 2. Bindings, FOR NO KEY UPDATE, ascending id. NO KEY: a transaction that inserted
+    --    a run of this binding holds FOR KEY SHARE on it (the foreign key) until it
+    --    commits; FOR UPDATE would wait for it, FOR NO KEY UPDATE does not, and it still
+    --    serialises claims of the binding with each other and with edits of the binding.
     PERFORM 1 FROM dispatch_jobbinding
-     WHERE id = ANY (v_bindings) ORDER BY id FOR UPDATE;
+     WHERE id = ANY (v_bindings) ORDER BY id FOR NO KEY UPDATE;
 
     -- 3. Datasources of those bindings, FOR SHARE, ascending id.
     PERFORM 1 FROM dispatch_datasource
@@ -359,6 +362,9 @@ $$;
 
 -- Record why due PENDING attempts of disabled jobs, bindings or datasources cannot run,
 -- and clear the reason of those that can. Cost follows the blocked work, not the queue.
+-- Rows are taken FOR UPDATE SKIP LOCKED: a reason is informational, so a row somebody
+-- holds (a claim, an operator) is left for the next pass, and two passes never wait for
+-- each other or lock rows in opposite orders.
 CREATE OR REPLACE FUNCTION dispatch_refresh_blocked_v1()
 RETURNS integer LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -373,23 +379,35 @@ BEGIN
           JOIN dispatch_datasource src ON src.id = b.source_id
           JOIN dispatch_datasource snk ON snk.id = b.sink_id
          WHERE NOT (j.enabled AND b.enabled AND src.enabled AND snk.enabled)
+    ), targets AS (
+        SELECT a.id, blocked.reason
+          FROM dispatch_attempt a
+          JOIN dispatch_run r ON r.id = a.run_id
+          JOIN blocked ON blocked.id = r.binding_id
+         WHERE a.status = 'PENDING' AND a.available_at <= clock_timestamp()
+           AND a.blocked_reason IS DISTINCT FROM blocked.reason
+           FOR UPDATE OF a SKIP LOCKED
     )
-    UPDATE dispatch_attempt a SET blocked_reason = blocked.reason
-      FROM dispatch_run r, blocked
-     WHERE r.id = a.run_id AND r.binding_id = blocked.id
-       AND a.status = 'PENDING' AND a.available_at <= clock_timestamp()
-       AND a.blocked_reason IS DISTINCT FROM blocked.reason;
+    UPDATE dispatch_attempt a SET blocked_reason = targets.reason
+      FROM targets WHERE a.id = targets.id;
     GET DIAGNOSTICS v_count = ROW_COUNT;
     v_changed := v_changed + v_count;
 
+    WITH targets AS (
+        SELECT a.id
+          FROM dispatch_attempt a
+          JOIN dispatch_run r ON r.id = a.run_id
+          JOIN dispatch_jobbinding b ON b.id = r.binding_id
+          JOIN dispatch_job j ON j.id = b.job_id
+          JOIN dispatch_datasource src ON src.id = b.source_id
+          JOIN dispatch_datasource snk ON snk.id = b.sink_id
+         WHERE a.status = 'PENDING' AND a.blocked_reason IS NOT NULL
+           AND j.enabled AND b.enabled AND src.enabled AND snk.enabled
+           AND dispatch_binding_running_v1(b.id) < b.max_concurrency
+           FOR UPDATE OF a SKIP LOCKED
+    )
     UPDATE dispatch_attempt a SET blocked_reason = NULL
-      FROM dispatch_run r, dispatch_jobbinding b, dispatch_job j,
-           dispatch_datasource src, dispatch_datasource snk
-     WHERE a.status = 'PENDING' AND a.blocked_reason IS NOT NULL
-       AND r.id = a.run_id AND b.id = r.binding_id AND j.id = b.job_id
-       AND src.id = b.source_id AND snk.id = b.sink_id
-       AND j.enabled AND b.enabled AND src.enabled AND snk.enabled
-       AND dispatch_binding_running_v1(b.id) < b.max_concurrency;
+      FROM targets WHERE a.id = targets.id;
     GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN v_changed + v_count;
 END
