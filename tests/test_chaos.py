@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,12 @@ from dispatch.chaos import FAULT_KINDS
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def test_chaos__short_campaign_reports_no_violation() -> None:
@@ -38,11 +45,12 @@ def test_chaos__short_campaign_reports_no_violation() -> None:
             "11",
             "--fault-interval",
             "2",
-            # Its own server and port: a `make chaos` run may be going on at the same time.
+            # Its own server on a free port: a `make chaos` run, or another checkout's
+            # tests, may be going on at the same time.
             "--data-dir",
             str(ROOT / ".data" / "chaos-test-pg"),
             "--port",
-            "54342",
+            str(free_port()),
             "--out",
             str(out),
             "--quiesce-timeout",
