@@ -8,7 +8,7 @@ migrations (`install`); `dispatch/sql/queries.sql` holds named statements, each 
 from __future__ import annotations
 
 import re
-from functools import cache
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +27,37 @@ def install(name: str) -> Any:
     return migrations.RunSQL(function_file(name), reverse_sql=migrations.RunSQL.noop)
 
 
-@cache
-def _queries() -> dict[str, str]:
-    text = (SQL_DIR / "queries.sql").read_text()
-    parts = _NAME.split(text)
-    return {
-        name: body.strip().rstrip(";") for name, body in zip(parts[1::2], parts[2::2], strict=True)
-    }
+class NamedQueries:
+    """The statements of one `.sql` file, each under a `-- name: NAME` header."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @cached_property
+    def _statements(self) -> dict[str, str]:
+        parts = _NAME.split(self.path.read_text())
+        return {
+            name: body.strip().rstrip(";")
+            for name, body in zip(parts[1::2], parts[2::2], strict=True)
+        }
+
+    def query(self, name: str) -> str:
+        try:
+            return self._statements[name]
+        except KeyError:
+            raise KeyError(f"no statement named {name!r} in {self.path.name}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._statements)
+
+
+_DISPATCH = NamedQueries(SQL_DIR / "queries.sql")
 
 
 def query(name: str) -> str:
-    try:
-        return _queries()[name]
-    except KeyError:
-        raise KeyError(f"no statement named {name!r} in dispatch/sql/queries.sql") from None
+    """A named statement of `dispatch/sql/queries.sql`."""
+    return _DISPATCH.query(name)
 
 
 def query_names() -> list[str]:
-    return sorted(_queries())
+    return _DISPATCH.names()
