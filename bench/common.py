@@ -96,6 +96,9 @@ def setup_django(server: str, dbname: str = DISPATCH_DB) -> dict[str, str]:
         "DJANGO_SETTINGS_MODULE": "project.settings",
         "DATABASE_URL": db_url(server, dbname),
         "SECRET_KEY": "bench-only",
+        # Production settings: a development .env may say DEBUG=true, which would wrap
+        # every cursor in Django's query-logging wrapper.
+        "DEBUG": "false",
         "DISPATCH_ENCRYPTION_KEYS": BENCH_FERNET_KEY,
         "DISPATCH_CONNECTORS": "bench.common.LoopbackConnector",
         "PYTHONUNBUFFERED": "1",
