@@ -72,7 +72,7 @@ def sample(server: str, case: str, n: int, claim: str = CLAIM) -> float:
 
 def explain(server: str, case: str, claim: str = CLAIM) -> str:
     """The plans of the statements inside the claim, as executed (auto_explain with
-    ANALYZE and BUFFERS, sent back to this session as messages)."""
+    ANALYZE and BUFFERS, sent back to this connection as messages)."""
     notes: list[str] = []
     with common.connect(server, dbname(case)) as conn:
         conn.add_notice_handler(lambda d: notes.append(d.message_primary or ""))
@@ -160,7 +160,7 @@ def main(argv: list[str]) -> int:
     with common.connect(args.server, common.DISPATCH_DB) as conn:
         common.reset_dispatch(conn)
         common.make_bindings(20, max_concurrency=8)
-    connections.close_all()  # a template database must have no other session
+    connections.close_all()  # a template database must have no other connection
     plan_cases = cases(args.quick)
     for case, (pending, finished) in plan_cases.items():
         print(f"  loading {case}: {pending} pending, {finished} finished ...", flush=True)
