@@ -122,6 +122,8 @@ class WorkerDispatchCoordinator:
         self.stopping = False
         self._drain_deadline: float | None = None
         self._threads: list[threading.Thread] = []
+        # How long the heartbeat thread is waiting this time (seconds).
+        self._heartbeat_waiting = IDLE_HEARTBEAT_SECONDS
 
     # --- lifecycle ----------------------------------------------------------------------
     def run(self) -> int:
@@ -353,7 +355,10 @@ class WorkerDispatchCoordinator:
             claimed.directed,
         )
         self._queue.put(execution)
-        self._heartbeat_now.set()  # recompute the heartbeat interval for the new lease
+        if claimed.lease_seconds / 3 < self._heartbeat_waiting:
+            # The heartbeat thread waits longer than this lease allows: wake it to
+            # recompute (otherwise a claim costs no extra heartbeat).
+            self._heartbeat_now.set()
 
     def _reap(self) -> int:
         finished = [e for e in list(self.executions.values()) if e.done.is_set()]
@@ -594,7 +599,8 @@ class WorkerDispatchCoordinator:
 
     def _heartbeat_loop(self) -> None:
         while not self._stop_threads.is_set():
-            self._heartbeat_now.wait(self._heartbeat_interval())
+            self._heartbeat_waiting = self._heartbeat_interval()
+            self._heartbeat_now.wait(self._heartbeat_waiting)
             self._heartbeat_now.clear()
             if self._stop_threads.is_set():
                 break

@@ -356,6 +356,13 @@ class Run(models.Model):
             models.Index(fields=["status", "-created_at"], name="dispatch_run_status_idx"),
             # Runs of one binding (admin filter; the claim's capacity count joins through it).
             models.Index(fields=["binding", "-created_at"], name="dispatch_run_binding_idx"),
+            # The claim's capacity count: RUNNING runs of one binding
+            # (dispatch_binding_running_v1).
+            models.Index(
+                fields=["binding"],
+                condition=Q(status=Status.RUNNING),
+                name="dispatch_run_running_idx",
+            ),
             # Finished-per-hour chart of the overview.
             models.Index(
                 fields=["finished_at"],
