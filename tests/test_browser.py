@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import User
 
-from dispatch import services
+from dispatch import claims, services
 from dispatch.models import Attempt, Datasource, Job, JobBinding, Run
-from dispatch.states import Status
+from dispatch.states import Reason, Status
 from tests.conftest import ROOT, Processes, wait_until
 from tests.factories import DatasourceFactory, SinkFactory
 from tests.test_admin import PASSWORD, vault_kind  # noqa: F401 - fixture
@@ -131,7 +131,16 @@ def test_browser__login_and_add_a_datasource_with_the_secret_masked(page: Any) -
 
 def test_browser__trigger_and_watch_the_run_succeed(page: Any, processes: Processes) -> None:
     b = binding("orders-to-archive", {"rows": 3000, "batch": 100, "delay_ms": 40, "seed": 7})
-    Run.objects.create(binding=b, status=Status.FAILED)  # some history for the overview
+    # Some history for the overview, through the real path: a run whose attempt failed.
+    failed = services.trigger(b)
+    [claimed] = claims.claim("browser-history", run_id=failed.id, limit=1, generic=False)
+    claims.settle(
+        claimed.attempt_id,
+        claimed.lease_token,
+        "PERMANENT",
+        reason=Reason.PERMANENT_ERROR,
+        error="sink table orders_archive is missing",
+    )
     processes.worker("--concurrency", "2", "--worker-id", "browser-worker-1")
     page.goto(f"{page.base}/admin/dispatch/jobbinding/{b.pk}/change/")
     page.click("button:has-text('Trigger now')")
