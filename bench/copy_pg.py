@@ -294,7 +294,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--small", type=int, default=10_000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-doc", action="store_true", help="print only")
+    p.add_argument("--quick", action="store_true", help="small sizes, one round (a smoke run)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.small, args.rounds = 50_000, 2_000, 1
     if shutil.which("psql") is None:
         raise SystemExit("psql is needed for the raw floor")
     (ROOT / "bench" / "results").mkdir(exist_ok=True)

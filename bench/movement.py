@@ -56,9 +56,13 @@ def setup(server: str) -> dict[tuple[str, str], Any]:
 
     src = Datasource.objects.get(name="bench-src")
     dst = Datasource.objects.get(name="bench-dst")
-    csv_src, _ = Datasource.objects.get_or_create(
-        name="bench-csv", defaults={"kind": "csv", "config": {"base_dir": str(CSV_DIR)}}
+    csv_src = Datasource.objects.filter(name="bench-csv").first() or Datasource(
+        name="bench-csv", kind="csv"
     )
+    # This checkout's directory, even if another checkout made the row first.
+    if csv_src._state.adding or csv_src.config != {"base_dir": str(CSV_DIR)}:
+        csv_src.config = {"base_dir": str(CSV_DIR)}
+        csv_src.save()
     specs = {
         "replace": (src, lambda t: {"table": t}, {"mode": "replace"}),
         "upsert": (src, lambda t: {"table": t}, {"mode": "upsert", "key": ["id"]}),
