@@ -310,7 +310,7 @@ class WorkerDispatchCoordinator:
         return self.concurrency - len(self.executions)
 
     def _claim(
-        self, *, run_id: uuid.UUID | None = None, generic: bool = True
+        self, *, run_id: uuid.UUID | None = None, generic: bool = True, set_timer: bool = True
     ) -> list[ClaimedAttempt]:
         free = self._free()
         if free <= 0:
@@ -321,7 +321,7 @@ class WorkerDispatchCoordinator:
         generic_got = [c for c in got if not c.directed]
         self.stats["claims_generic"] += len(generic_got)
         self.stats["claims_directed"] += len(got) - len(generic_got)
-        if generic and len(got) < free:
+        if set_timer and generic and len(got) < free:
             self._after_empty_claim()
         return got
 
@@ -330,10 +330,12 @@ class WorkerDispatchCoordinator:
         # A batch may come back short while more is claimable (a binding at capacity among
         # the oldest candidates): ask again until a call returns nothing or slots are full.
         while self._free() > 0:
-            batch = self._claim()
+            batch = self._claim(set_timer=False)
             got.extend(batch)
             if not batch:
                 break
+        if self._free() > 0:
+            self._after_empty_claim()  # once per pass, not once per call
         self._last_claim_empty = not got
         return got
 
