@@ -17,6 +17,7 @@ the database as durations and are kept on the local monotonic clock.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import queue
@@ -119,6 +120,8 @@ class WorkerDispatchCoordinator:
         self._next_recovery = now
         self._timer: float | None = None
         self._refill = True
+        # The last generic pass claimed nothing (with --burst: time to exit).
+        self._last_claim_empty = False
         self.stopping = False
         self._drain_deadline: float | None = None
         self._threads: list[threading.Thread] = []
@@ -246,8 +249,6 @@ class WorkerDispatchCoordinator:
         log.info("worker stopped worker=%s stats=%s", self.worker_id, dict(self.stats))
 
     # --- one iteration --------------------------------------------------------------------
-    _last_claim_empty = False
-
     def run_once(self) -> TickReport:
         """Reap finished executions, read notifications, claim, recover. Never raises for
         a database error: it logs, backs off and tries again on the next iteration."""
@@ -618,8 +619,6 @@ class WorkerDispatchCoordinator:
 
 
 def _stats_json(stats: Counter[str]) -> str:
-    import json
-
     return json.dumps(dict(stats), sort_keys=True)
 
 
