@@ -31,10 +31,15 @@ def bin_dir() -> Path:
 
 
 class EmbeddedPostgres:
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, port: int | None = None, password: str | None = None
+    ) -> None:
         self.data_dir = data_dir.resolve()
         self.port = port or int(os.environ.get("DISPATCH_DEV_PG_PORT", "54329"))
         self.log_file = self.data_dir.parent / f"{self.data_dir.name}.log"
+        # With a password, TCP connections must authenticate (scram-sha-256) as on a real
+        # server; without one, trust (development and tests).
+        self.password = password
 
     # --- the unprivileged user under root ---------------------------------------------------
     def _run_as(self) -> dict[str, object]:
@@ -83,21 +88,30 @@ class EmbeddedPostgres:
         if not self.initialized():
             self.data_dir.mkdir(parents=True, exist_ok=True)
             self._chown(self.data_dir)
-            subprocess.run(
-                [
-                    self._tool("initdb"),
-                    "-D",
-                    str(self.data_dir),
-                    "-U",
-                    "postgres",
-                    "--auth=trust",
-                    "--encoding=UTF8",
-                    "--no-instructions",
-                ],
-                check=True,
-                stdout=subprocess.DEVNULL,
-                **run_as,
-            )  # type: ignore[call-overload]
+            auth = ["--auth=trust"]
+            pwfile = self.data_dir.parent / f"{self.data_dir.name}.pw"
+            if self.password is not None:
+                pwfile.write_text(self.password + "\n")
+                self._chown(pwfile)
+                auth = ["--auth-local=trust", "--auth-host=scram-sha-256", f"--pwfile={pwfile}"]
+            try:
+                subprocess.run(
+                    [
+                        self._tool("initdb"),
+                        "-D",
+                        str(self.data_dir),
+                        "-U",
+                        "postgres",
+                        *auth,
+                        "--encoding=UTF8",
+                        "--no-instructions",
+                    ],
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                    **run_as,
+                )  # type: ignore[call-overload]
+            finally:
+                pwfile.unlink(missing_ok=True)  # type: ignore[call-overload]
         if self.running():
             return
         self.log_file.touch()
@@ -168,4 +182,5 @@ class EmbeddedPostgres:
                 conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
 
     def url(self, database: str) -> str:
-        return f"postgres://postgres@127.0.0.1:{self.port}/{database}"
+        credentials = "postgres" if self.password is None else f"postgres:{self.password}"
+        return f"postgres://{credentials}@127.0.0.1:{self.port}/{database}"
