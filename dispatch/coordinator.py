@@ -235,10 +235,12 @@ class WorkerDispatchCoordinator:
         self._stop_threads.set()
         self._heartbeat_now.set()
         self._close_listen()
+        with self._lock:
+            stats = dict(self.stats)
         try:
             with connection.cursor() as cursor:
                 cursor.execute(
-                    query("stop_worker"), {"id": self.worker_id, "stats": _stats_json(self.stats)}
+                    query("stop_worker"), {"id": self.worker_id, "stats": json.dumps(stats)}
                 )
         except DB_ERRORS as exc:
             log.warning(
@@ -246,7 +248,7 @@ class WorkerDispatchCoordinator:
             )
         for _ in range(self.concurrency):
             self._queue.put(None)
-        log.info("worker stopped worker=%s stats=%s", self.worker_id, dict(self.stats))
+        log.info("worker stopped worker=%s stats=%s", self.worker_id, stats)
 
     # --- one iteration --------------------------------------------------------------------
     def run_once(self) -> TickReport:
@@ -288,14 +290,14 @@ class WorkerDispatchCoordinator:
                 self._heartbeat_now.set()
                 continue
             if self._free() <= 0:
-                self.stats["notifications_without_slot"] += 1
+                self._count("notifications_without_slot")
                 continue
             got = self._claim(run_id=run_id, generic=not generic_exhausted)
             hit = any(c.directed for c in got)
             report.claimed += len(got)
             report.directed_hits += hit
             report.directed_misses += not hit
-            self.stats["directed_hits" if hit else "directed_misses"] += 1
+            self._count("directed_hits" if hit else "directed_misses")
             if len(got) - hit == 0 and self._free() > 0:
                 generic_exhausted = True  # no more generic work right now
         timer_due = self._timer is not None and now >= self._timer
@@ -320,8 +322,8 @@ class WorkerDispatchCoordinator:
         for claimed in got:
             self._start(claimed)
         generic_got = [c for c in got if not c.directed]
-        self.stats["claims_generic"] += len(generic_got)
-        self.stats["claims_directed"] += len(got) - len(generic_got)
+        self._count("claims_generic", len(generic_got))
+        self._count("claims_directed", len(got) - len(generic_got))
         if set_timer and generic and len(got) < free:
             self._after_empty_claim()
         return got
@@ -382,7 +384,7 @@ class WorkerDispatchCoordinator:
                 r.outcome,
                 self.worker_id,
             )
-        self.stats["recovered"] += len(settled)
+        self._count("recovered", len(settled))
         if settled:
             self._refill = True  # a successor may be due at once
         claims.refresh_blocked()
@@ -413,7 +415,7 @@ class WorkerDispatchCoordinator:
                 )
                 continue
             if status is not None:
-                self.stats["released"] += 1
+                self._count("released")
                 log.info(
                     "attempt released at shutdown run=%s attempt=%s worker=%s token=%s",
                     c.run_id,
@@ -459,11 +461,11 @@ class WorkerDispatchCoordinator:
         try:
             pgconn.consume_input()
             while (n := pgconn.notifies()) is not None:
-                self.stats["notifications"] += 1
+                self._count("notifications")
                 try:
                     run_ids.append(uuid.UUID(n.extra.decode("utf-8", "replace").strip()))
                 except ValueError:
-                    self.stats["notifications_malformed"] += 1
+                    self._count("notifications_malformed")
             if pgconn.status != psycopg.pq.ConnStatus.OK:
                 raise psycopg.OperationalError("LISTEN connection is not OK")
         except (psycopg.Error, OSError) as exc:
@@ -481,7 +483,7 @@ class WorkerDispatchCoordinator:
             _one_line(exc),
         )
         self._listen_backoff = min(self._listen_backoff * 2, RECONNECT_MAX_SECONDS)
-        self.stats["listen_reconnects"] += 1
+        self._count("listen_reconnects")
 
     # --- waiting ------------------------------------------------------------------------------
     def _next_timeout(self) -> float:
@@ -555,9 +557,11 @@ class WorkerDispatchCoordinator:
                 execution.done.set()
                 self._wake()
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: str, n: int = 1) -> None:
+        """Add to a counter. Every thread counts through here: the heartbeat thread copies
+        the counters under the same lock."""
         with self._lock:
-            self.stats[name] += 1
+            self.stats[name] += n
 
     def heartbeat_once(self) -> None:
         """One heartbeat for every held attempt (and the worker row)."""
@@ -616,10 +620,6 @@ class WorkerDispatchCoordinator:
             except Exception:  # noqa: BLE001 - the heartbeat thread must never die
                 log.exception("heartbeat crashed worker=%s", self.worker_id)
                 self._stop_threads.wait(0.5)
-
-
-def _stats_json(stats: Counter[str]) -> str:
-    return json.dumps(dict(stats), sort_keys=True)
 
 
 def _one_line(exc: BaseException) -> str:
