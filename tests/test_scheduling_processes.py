@@ -139,8 +139,13 @@ def test_reconcile_loop__wakes_on_a_saved_schedule_and_stops_promptly(processes:
 
 def test_runworker_scheduler__scheduled_run_succeeds(processes: Processes) -> None:
     binding = BindingFactory()
-    schedule = Schedule.objects.create(binding=binding, cron="* * * * *", timezone="UTC")
-    due = db_now().replace(second=0, microsecond=0)
+    # A daily slot five minutes ago, missed: FIRE_ONCE catches exactly it up, whatever
+    # minute boundary the test happens to cross (an every-minute slot could be superseded
+    # by the next one while the worker starts).
+    due = db_now().replace(second=0, microsecond=0) - timedelta(minutes=5)
+    schedule = Schedule.objects.create(
+        binding=binding, cron=f"{due.minute} {due.hour} * * *", timezone="UTC"
+    )
     Schedule.objects.filter(pk=schedule.pk).update(next_fire_at=due)
     worker = processes.worker("--scheduler", "--concurrency", "2")
 
