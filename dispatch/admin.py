@@ -54,7 +54,7 @@ from dispatch.admin_views import (
 from dispatch.connectors.base import ConnectorError
 from dispatch.forms import DatasourceForm, config_field_names
 from dispatch.models import SECRET_MASK, Attempt, Datasource, Job, JobBinding, Run, Worker
-from dispatch.states import BlockedReason, Status, Trigger
+from dispatch.states import LIVE_STATUSES, RETRYABLE_RUN_STATUSES, BlockedReason, Status, Trigger
 
 # --- the action implementations (each one call of a service) -------------------------
 
@@ -148,7 +148,7 @@ CANCEL = ActionSpec(
     _service(services.cancel_run),
     "A pending run is cancelled at once; a running one stops at its worker's next "
     "heartbeat. A sink commit that already happened wins.",
-    applies=lambda run: run.status in (Status.PENDING, Status.RUNNING),
+    applies=lambda run: run.status in LIVE_STATUSES,
 )
 RETRY = ActionSpec(
     "retry_run",
@@ -157,7 +157,7 @@ RETRY = ActionSpec(
     False,
     _service(services.retry_run),
     "Add a new attempt (operator retry, fresh retry budget) to a failed or cancelled run.",
-    applies=lambda run: run.status in (Status.FAILED, Status.CANCELLED),
+    applies=lambda run: run.status in RETRYABLE_RUN_STATUSES,
 )
 RUN_NOW = ActionSpec(
     "run_now",
@@ -350,6 +350,11 @@ def _link(viewname: str, pk: Any, text: Any) -> SafeString:
 
 
 # --- datasources, jobs, bindings ----------------------------------------------------------
+
+
+def fieldset_fields(fieldsets: list[Any]) -> list[str]:
+    """Every field named in `fieldsets`, in order (for admins whose rows are read-only)."""
+    return [name for _, options in fieldsets for name in options["fields"]]
 
 
 def _attempt_count(group: str, **filters: Any) -> Coalesce:
@@ -620,21 +625,7 @@ class RunAdmin(HistoryAdmin):
             },
         ),
     ]
-    readonly_fields = [
-        "id",
-        "binding_link",
-        "job_link",
-        "status_badge",
-        "trigger",
-        "requested_by",
-        "created_at",
-        "finished_at",
-        "duration",
-        "cancel_requested_at",
-        "schedule_id",
-        "scheduled_for",
-        "idempotency_key",
-    ]
+    readonly_fields = fieldset_fields(fieldsets)  # every shown field is read-only
     actions = [
         changelist_action(CANCEL, "cancel"),
         changelist_action(RETRY, "retry"),
@@ -825,32 +816,7 @@ class AttemptAdmin(HistoryAdmin):
             },
         ),
     ]
-    readonly_fields = [
-        "id",
-        "run_link",
-        "number",
-        "origin_text",
-        "status_badge",
-        "reason_badge",
-        "error",
-        "blocked",
-        "progress",
-        "worker_id",
-        "lease_token",
-        "created_at",
-        "available_at",
-        "claimed_at",
-        "heartbeat_at",
-        "lease_until",
-        "finished_at",
-        "source_link",
-        "source_version",
-        "source_redacted_view",
-        "sink_link",
-        "sink_version",
-        "sink_redacted_view",
-        "datasources_resolved_at",
-    ]
+    readonly_fields = fieldset_fields(fieldsets)  # every shown field is read-only
     actions = [changelist_action(RELEASE, "release")]
     object_actions = (RELEASE,)
     has_release_permission = _perm("release_attempt")

@@ -61,7 +61,6 @@ class Execution:
     claimed: ClaimedAttempt
     control: ExecutionControl
     done: threading.Event = field(default_factory=threading.Event)
-    status: str | None = None
 
 
 @dataclass
@@ -539,7 +538,7 @@ class WorkerDispatchCoordinator:
             try:
                 runner = Runner(execution.claimed, execution.control, on_event=self._count)
                 try:
-                    execution.status = runner.execute()
+                    runner.execute()
                 except DB_ERRORS as exc:
                     # The outcome could not be recorded: the lease runs out and recovery
                     # settles the attempt; the connection is rebuilt for the next one.

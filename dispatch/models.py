@@ -17,7 +17,15 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from dispatch import crypto
-from dispatch.states import BlockedReason, Origin, Reason, Status, Trigger
+from dispatch.states import (
+    LIVE_STATUSES,
+    TERMINAL_RUN_STATUSES,
+    BlockedReason,
+    Origin,
+    Reason,
+    Status,
+    Trigger,
+)
 
 _LIVE = Q(status__in=[Status.PENDING, Status.RUNNING])
 
@@ -304,10 +312,10 @@ class JobBinding(models.Model):
 
 class RunQuerySet(models.QuerySet["Run"]):
     def live(self) -> RunQuerySet:
-        return self.filter(status__in=[Status.PENDING, Status.RUNNING])
+        return self.filter(status__in=LIVE_STATUSES)
 
     def terminal(self) -> RunQuerySet:
-        return self.filter(status__in=[Status.SUCCEEDED, Status.FAILED, Status.CANCELLED])
+        return self.filter(status__in=TERMINAL_RUN_STATUSES)
 
 
 class Run(models.Model):
@@ -376,7 +384,7 @@ class Run(models.Model):
 
     @property
     def is_live(self) -> bool:
-        return self.status in (Status.PENDING, Status.RUNNING)
+        return self.status in LIVE_STATUSES
 
 
 class AttemptQuerySet(models.QuerySet["Attempt"]):

@@ -21,7 +21,15 @@ from django.db.models.functions import Now
 
 from dispatch import conf, sqlfiles
 from dispatch.models import Attempt, JobBinding, Run
-from dispatch.states import BlockedReason, Origin, Reason, Status, Trigger
+from dispatch.states import (
+    LIVE_STATUSES,
+    RETRYABLE_RUN_STATUSES,
+    BlockedReason,
+    Origin,
+    Reason,
+    Status,
+    Trigger,
+)
 
 log = logging.getLogger("dispatch.services")
 
@@ -152,7 +160,7 @@ def _lock_run(run: Run | uuid.UUID | str) -> tuple[Run, Attempt | None]:
     locked = Run.objects.select_for_update().get(pk=run_id)
     live = (
         Attempt.objects.select_for_update()
-        .filter(run_id=locked.pk, status__in=[Status.PENDING, Status.RUNNING])
+        .filter(run_id=locked.pk, status__in=LIVE_STATUSES)
         .first()
     )
     return locked, live
@@ -193,7 +201,7 @@ def retry_run(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
     """Add an OPERATOR attempt (a fresh retry budget) to a FAILED or CANCELLED run."""
     with transaction.atomic():
         locked, live = _lock_run(run)
-        if live is not None or locked.status not in (Status.FAILED, Status.CANCELLED):
+        if live is not None or locked.status not in RETRYABLE_RUN_STATUSES:
             raise ActionRefused(
                 "NOT_RETRYABLE",
                 f"Run {locked.pk} is {locked.status}; only FAILED or CANCELLED runs can be retried.",

@@ -8,7 +8,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from dispatch import services
 from dispatch.management.commands._common import binding_from_arg
 from dispatch.models import Run
-from dispatch.states import Status, Trigger
+from dispatch.states import TERMINAL_RUN_STATUSES, Status, Trigger
 
 
 class Command(BaseCommand):
@@ -43,7 +43,7 @@ class Command(BaseCommand):
         deadline = None if options["timeout"] is None else time.monotonic() + options["timeout"]
         while True:
             status = Run.objects.values_list("status", flat=True).get(pk=run.pk)
-            if status in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED):
+            if status in TERMINAL_RUN_STATUSES:
                 break
             if deadline is not None and time.monotonic() > deadline:
                 raise CommandError(f"Run {run.id} is still {status} after {options['timeout']}s.")
