@@ -82,7 +82,9 @@ class ScratchDB:
 
 
 def scratch_db(name: str) -> Iterator[ScratchDB]:
-    """A fresh database for one test (the body of a fixture), dropped afterwards."""
+    """A fresh database for one test (the body of a fixture), dropped afterwards. Its name
+    carries the test database's, so two checkouts testing on one server never share it."""
+    name = f"{name}_{connection.settings_dict['NAME']}"[:63]
     recreate_database(name)
     yield ScratchDB(name)
     drop_database(name)
