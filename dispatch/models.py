@@ -16,7 +16,7 @@ from django.db import models, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
-from dispatch import crypto
+from dispatch import crypto, limits
 from dispatch.states import (
     LIVE_STATUSES,
     TERMINAL_RUN_STATUSES,
@@ -188,26 +188,30 @@ class Job(models.Model):
     sink_spec = models.JSONField(default=dict, blank=True)
     max_attempts = models.PositiveIntegerField(
         default=3,
-        validators=[MinValueValidator(1), MaxValueValidator(100)],
+        validators=[MinValueValidator(1), MaxValueValidator(limits.MAX_ATTEMPTS)],
         help_text="Attempts in one retry budget (since the trigger or the last operator retry).",
     )
     backoff_seconds = models.FloatField(
         default=10.0,
-        validators=[MinValueValidator(0.0)],
-        help_text="Delay before the first automatic retry; doubles each retry.",
+        validators=[MinValueValidator(0.0), MaxValueValidator(limits.MAX_BACKOFF_SECONDS)],
+        help_text="Delay before the first automatic retry; doubles each retry. At most 7 days.",
     )
-    backoff_max_seconds = models.FloatField(default=600.0, validators=[MinValueValidator(0.0)])
+    backoff_max_seconds = models.FloatField(
+        default=600.0,
+        validators=[MinValueValidator(0.0), MaxValueValidator(limits.MAX_BACKOFF_SECONDS)],
+        help_text="The longest retry delay. At most 7 days.",
+    )
     lease_seconds = models.PositiveIntegerField(
         default=30,
-        validators=[MinValueValidator(2), MaxValueValidator(86400)],
+        validators=[MinValueValidator(2), MaxValueValidator(limits.MAX_LEASE_SECONDS)],
         help_text="A worker heartbeats every lease/3 seconds; recovery settles an attempt "
         "whose lease ran out.",
     )
     timeout_seconds = models.PositiveIntegerField(
         null=True,
         blank=True,
-        validators=[MinValueValidator(1)],
-        help_text="Bounds one execution; empty for no bound.",
+        validators=[MinValueValidator(1), MaxValueValidator(limits.MAX_TIMEOUT_SECONDS)],
+        help_text="Bounds one execution (at most 7 days); empty for no bound.",
     )
     created_at = models.DateTimeField(db_default=Now(), editable=False)
 
@@ -223,6 +227,25 @@ class Job(models.Model):
             models.CheckConstraint(
                 condition=Q(backoff_seconds__gte=0) & Q(backoff_max_seconds__gte=0),
                 name="dispatch_job_backoff_nonnegative",
+            ),
+            # Upper bounds (dispatch.limits): nothing past them reaches time arithmetic.
+            models.CheckConstraint(
+                condition=Q(backoff_seconds__lte=limits.MAX_BACKOFF_SECONDS)
+                & Q(backoff_max_seconds__lte=limits.MAX_BACKOFF_SECONDS),
+                name="dispatch_job_backoff_max",
+            ),
+            models.CheckConstraint(
+                condition=Q(lease_seconds__lte=limits.MAX_LEASE_SECONDS),
+                name="dispatch_job_lease_max",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_attempts__lte=limits.MAX_ATTEMPTS),
+                name="dispatch_job_attempts_max",
+            ),
+            models.CheckConstraint(
+                condition=Q(timeout_seconds__isnull=True)
+                | Q(timeout_seconds__gte=1, timeout_seconds__lte=limits.MAX_TIMEOUT_SECONDS),
+                name="dispatch_job_timeout_range",
             ),
         ]
 

@@ -224,7 +224,12 @@ def check_unknown(spec: dict[str, Any], allowed: set[str]) -> None:
 
 
 def int_field(
-    spec: dict[str, Any], name: str, *, default: int | None, minimum: int = 0
+    spec: dict[str, Any],
+    name: str,
+    *,
+    default: int | None,
+    minimum: int = 0,
+    maximum: int | None = None,
 ) -> int | None:
     """An optional integer field; an explicit null is allowed only where the default is."""
     value = spec.get(name, default)
@@ -234,6 +239,8 @@ def int_field(
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValidationError(f"{name}: must be an integer >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValidationError(f"{name}: must be at most {maximum:,}")
     return value
 
 

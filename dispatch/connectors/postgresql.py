@@ -19,6 +19,7 @@ from django.core.exceptions import ValidationError
 from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from dispatch import limits
 from dispatch.connectors.base import (
     Batch,
     Column,
@@ -168,8 +169,11 @@ def _set_timeouts(conn: psycopg.Connection[Any], spec: dict[str, Any]) -> None:
 
 
 def _timeouts(spec: dict[str, Any]) -> None:
-    for name in ("statement_timeout_seconds", "lock_timeout_seconds"):
-        int_field(spec, name, default=None, minimum=1)
+    for name, maximum in (
+        ("statement_timeout_seconds", limits.MAX_STATEMENT_TIMEOUT_SECONDS),
+        ("lock_timeout_seconds", limits.MAX_LOCK_TIMEOUT_SECONDS),
+    ):
+        int_field(spec, name, default=None, minimum=1, maximum=maximum)
 
 
 # --- the connector --------------------------------------------------------------------------
