@@ -37,3 +37,38 @@ def check_encryption_keys(app_configs: Any = None, **kwargs: Any) -> list[Error]
                 )
             )
     return errors
+
+
+@register()
+def check_keys_open_stored_configs(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """dispatch.E003: well-formed keys that open none of the sampled stored configs (a
+    wrong key); dispatch.E004: some sampled configs stay closed (a key still in use was
+    dropped from the list). Both stop `runworker` and the site at start-up."""
+    from dispatch import keycheck
+
+    if check_encryption_keys():
+        return []  # E001/E002 already say what is wrong
+    report = keycheck.sample()
+    if report is None or report.sampled == 0 or report.unreadable == 0:
+        return []
+    hint = (
+        "Set DISPATCH_ENCRYPTION_KEYS to the keys the datasources were encrypted with "
+        "(during a rotation, keep the old key at the end of the list until rotate_keys ran)."
+    )
+    if report.none_open:
+        return [
+            Error(
+                f"None of the DISPATCH_ENCRYPTION_KEYS decrypts the stored datasource configs "
+                f"({report.sampled} sampled).",
+                hint=hint,
+                id="dispatch.E003",
+            )
+        ]
+    return [
+        Error(
+            f"{report.unreadable} of {report.sampled} sampled datasource configs cannot be "
+            "decrypted with DISPATCH_ENCRYPTION_KEYS.",
+            hint=hint,
+            id="dispatch.E004",
+        )
+    ]

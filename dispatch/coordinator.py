@@ -536,7 +536,7 @@ class WorkerDispatchCoordinator:
             if execution is None:
                 break
             try:
-                runner = Runner(execution.claimed, execution.control, on_event=self._count)
+                runner = Runner(execution.claimed, execution.control, on_event=self._on_event)
                 try:
                     runner.execute()
                 except DB_ERRORS as exc:
@@ -555,6 +555,16 @@ class WorkerDispatchCoordinator:
             finally:
                 execution.done.set()
                 self._wake()
+
+    def _on_event(self, name: str) -> None:
+        self._count(name)
+        if name == "keys_unusable" and not self.stopping:
+            # Keys that open no snapshot would fail every run: stop claiming and release
+            # what is held at once (dispatch.keycheck; docs/security.md).
+            log.error(
+                "worker stopping: its encryption keys open no snapshot worker=%s", self.worker_id
+            )
+            self.request_stop(immediate=True)
 
     def _count(self, name: str, n: int = 1) -> None:
         """Add to a counter. Every thread counts through here: the heartbeat thread copies

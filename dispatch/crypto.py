@@ -24,6 +24,11 @@ class SnapshotUnreadable(Exception):
     """A ciphertext could not be decrypted, or names another datasource or version."""
 
 
+class KeyUnavailable(SnapshotUnreadable):
+    """None of the configured keys opens the ciphertext: the reader's keys are wrong (or
+    incomplete), which says nothing about the row itself."""
+
+
 @lru_cache(maxsize=8)
 def _fernet(keys: tuple[str, ...]) -> MultiFernet:
     if not keys:
@@ -56,7 +61,7 @@ def decrypt_config(
     try:
         plaintext = fernet().decrypt(token.encode("ascii"))
     except (InvalidToken, ValueError, TypeError, UnicodeError):
-        raise SnapshotUnreadable("ciphertext cannot be decrypted with any configured key") from None
+        raise KeyUnavailable("ciphertext cannot be decrypted with any configured key") from None
     try:
         envelope = json.loads(plaintext)
     except ValueError:

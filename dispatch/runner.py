@@ -227,6 +227,20 @@ class Runner:
             sink_config = crypto.decrypt_config(
                 c.sink_snapshot, expected_id=c.sink_id, expected_version=c.sink_version
             )
+        except crypto.KeyUnavailable:
+            # This worker's keys are wrong: the run is not at fault. Hand the attempt back
+            # (a release consumes no retry budget) and tell the coordinator to stop.
+            self.on_event("keys_unusable")
+            self._log(
+                "no configured key opens the snapshot; releasing the attempt and stopping "
+                "(check DISPATCH_ENCRYPTION_KEYS)",
+                level=logging.ERROR,
+            )
+            return self.settle(
+                "RELEASE",
+                Reason.SHUTDOWN_RELEASED,
+                "released: the worker's keys (DISPATCH_ENCRYPTION_KEYS) open no snapshot",
+            )
         except crypto.SnapshotUnreadable as exc:
             return self.settle(
                 "PERMANENT", Reason.SNAPSHOT_UNREADABLE, f"snapshot unreadable: {exc}"
