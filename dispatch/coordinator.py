@@ -35,6 +35,7 @@ from typing import Any
 
 import psycopg
 from django.db import Error as DjangoDBError
+from django.db import ProgrammingError as DjangoProgrammingError
 from django.db import connection
 from psycopg import sql
 
@@ -185,10 +186,27 @@ class WorkerDispatchCoordinator:
                             "concurrency": self.concurrency,
                         },
                     )
+                db = connection.settings_dict
                 log.info(
-                    "worker started worker=%s concurrency=%d", self.worker_id, self.concurrency
+                    "worker started worker=%s concurrency=%d channel=%s database=%s:%s/%s",
+                    self.worker_id,
+                    self.concurrency,
+                    conf.channel(),
+                    db.get("HOST") or "local socket",
+                    db.get("PORT") or "5432",
+                    db.get("NAME"),
                 )
                 return
+            except (DjangoProgrammingError, psycopg.errors.UndefinedTable) as exc:
+                # The tables are missing: retrying cannot help (dispatch.E013).
+                log.error(
+                    "the database is not migrated (run `manage.py migrate`) worker=%s error=%s",
+                    self.worker_id,
+                    _one_line(exc),
+                )
+                raise SystemExit(
+                    "dispatch.E013: the database is not migrated; run `manage.py migrate`."
+                ) from None
             except DB_ERRORS as exc:
                 self._reset_connection()
                 log.error(

