@@ -15,6 +15,7 @@ from typing import Any
 from django import forms
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 
+from dispatch import jsondepth
 from dispatch.connectors import registry
 from dispatch.connectors.base import ConfigField, Connector
 from dispatch.models import SECRET_MASK, Datasource
@@ -228,6 +229,9 @@ class DatasourceForm(forms.ModelForm):  # type: ignore[type-arg]
         return config
 
     def _config_from_json(self, text: str, previous: dict[str, Any]) -> dict[str, Any] | None:
+        if jsondepth.text_too_deep(text):
+            self.add_error(JSON_FIELD, f"this JSON {jsondepth.MESSAGE}")
+            return None
         try:
             config = json.loads(text or "{}")
         except json.JSONDecodeError as exc:

@@ -16,7 +16,8 @@ from django.db import models, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
-from dispatch import crypto, limits
+from dispatch import crypto, jsondepth, limits
+from dispatch.jsondepth import BoundedJSONField
 from dispatch.states import (
     LIVE_STATUSES,
     TERMINAL_RUN_STATUSES,
@@ -51,7 +52,7 @@ class Datasource(models.Model):
     kind = models.CharField(max_length=50, help_text="The connector kind, e.g. postgresql.")
     config_ciphertext = models.TextField(editable=False)
     # Non-secret fields of the config, for display; secret fields are replaced by a mask.
-    redacted_config = models.JSONField(default=dict, editable=False)
+    redacted_config = BoundedJSONField(default=dict, editable=False)
     enabled = models.BooleanField(default=True)
     version = models.PositiveIntegerField(default=1, editable=False)
     created_at = models.DateTimeField(db_default=Now(), editable=False)
@@ -62,6 +63,9 @@ class Datasource(models.Model):
     class Meta:
         ordering = ["name"]
         permissions = [("test_datasource", "Can test a datasource's connection")]
+        constraints = [
+            jsondepth.depth_check("redacted_config", "dispatch_datasource_redacted_depth")
+        ]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         config = kwargs.pop("config", None)
@@ -137,6 +141,7 @@ class Datasource(models.Model):
     def clean(self) -> None:
         from dispatch.connectors import registry
 
+        jsondepth.check("config", self.config)
         check_json_size("config", self.config)
         try:
             connector = registry.get(self.kind)
@@ -184,8 +189,8 @@ class Job(models.Model):
     name = models.CharField(max_length=200, unique=True)
     description = models.TextField(blank=True, default="")
     enabled = models.BooleanField(default=True)
-    source_spec = models.JSONField(default=dict, blank=True)
-    sink_spec = models.JSONField(default=dict, blank=True)
+    source_spec = BoundedJSONField(default=dict, blank=True)
+    sink_spec = BoundedJSONField(default=dict, blank=True)
     max_attempts = models.PositiveIntegerField(
         default=3,
         validators=[MinValueValidator(1), MaxValueValidator(limits.MAX_ATTEMPTS)],
@@ -247,12 +252,16 @@ class Job(models.Model):
                 | Q(timeout_seconds__gte=1, timeout_seconds__lte=limits.MAX_TIMEOUT_SECONDS),
                 name="dispatch_job_timeout_range",
             ),
+            jsondepth.depth_check("source_spec", "dispatch_job_source_spec_depth"),
+            jsondepth.depth_check("sink_spec", "dispatch_job_sink_spec_depth"),
         ]
 
     def __str__(self) -> str:
         return self.name
 
     def clean(self) -> None:
+        jsondepth.check("source_spec", self.source_spec)
+        jsondepth.check("sink_spec", self.sink_spec)
         check_json_size("source_spec", self.source_spec)
         check_json_size("sink_spec", self.sink_spec)
         if self.backoff_max_seconds < self.backoff_seconds:
@@ -456,8 +465,8 @@ class Attempt(models.Model):
     # ends. The redacted copies stay for the record.
     source_snapshot = models.TextField(null=True, blank=True)
     sink_snapshot = models.TextField(null=True, blank=True)
-    source_redacted = models.JSONField(null=True, blank=True)
-    sink_redacted = models.JSONField(null=True, blank=True)
+    source_redacted = BoundedJSONField(null=True, blank=True)
+    sink_redacted = BoundedJSONField(null=True, blank=True)
     source_version = models.PositiveIntegerField(null=True, blank=True)
     sink_version = models.PositiveIntegerField(null=True, blank=True)
     datasources_resolved_at = models.DateTimeField(null=True, blank=True)
@@ -540,7 +549,7 @@ class Worker(models.Model):
     stopped_at = models.DateTimeField(null=True, blank=True)
     # Counters the worker reports with its heartbeat (claims by path, leases lost, fenced
     # sink commits, ...), for the console and the benchmarks.
-    stats = models.JSONField(default=dict, blank=True)
+    stats = BoundedJSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["-started_at"]

@@ -27,7 +27,7 @@ from dispatch.checks import check_encryption_keys
 from dispatch.connectors import registry
 from dispatch.models import Attempt, Datasource, Job, JobBinding, Run
 from dispatch.runner import ExecutionControl, Runner
-from dispatch.states import Reason, Status
+from dispatch.states import Origin, Reason, Status
 from tests.conftest import Processes, wait_until, worker_env
 from tests.factories import BindingFactory, DatasourceFactory, JobFactory, SinkFactory, trigger
 
@@ -341,22 +341,22 @@ def test_worker_with_a_wrong_key_format__refuses_to_start(processes: Processes) 
 
 
 @pytest.mark.django_db(transaction=True)
-def test_snapshot_under_an_unknown_key__fails_permanently_and_clearly() -> None:
-    run = trigger(BindingFactory())
+def test_snapshot_under_an_unknown_key__is_released_not_failed() -> None:
+    run = trigger(BindingFactory(job__max_attempts=1))
     (claimed,) = claims.claim("w-bad", run_id=run.id)
-    # The worker holds only a key the snapshot was not encrypted with.
+    events: list[str] = []
+    # The worker holds only a key the snapshot was not encrypted with: the worker is at
+    # fault, not the run (docs/security.md).
     with override_settings(DISPATCH_ENCRYPTION_KEYS=[Fernet.generate_key().decode()]):
-        status = Runner(claimed, ExecutionControl(claimed)).execute()
-    assert status == Status.FAILED
-    attempts = list(Attempt.objects.filter(run=run))
-    assert len(attempts) == 1  # permanent: no retry
-    assert attempts[0].reason == Reason.SNAPSHOT_UNREADABLE
-    assert attempts[0].error == (
-        "snapshot unreadable: ciphertext cannot be decrypted with any configured key"
-    )
-    assert attempts[0].source_snapshot is None  # erased at the end, as for any attempt
+        status = Runner(claimed, ExecutionControl(claimed), on_event=events.append).execute()
+    assert "keys_unusable" in events  # the coordinator stops on this event
+    first, successor = Attempt.objects.filter(run=run).order_by("number")
+    assert (first.reason, first.source_snapshot) == (Reason.SHUTDOWN_RELEASED, None)
+    assert status == first.status != Status.FAILED
+    assert "open no snapshot" in first.error
+    assert (successor.status, successor.origin) == (Status.PENDING, Origin.RELEASE)
     run.refresh_from_db()
-    assert run.status == Status.FAILED
+    assert run.status == Status.PENDING
 
 
 # --- a database that is down when a worker starts ---------------------------------------------
