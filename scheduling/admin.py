@@ -1,8 +1,8 @@
 """Schedule admin: list with upcoming fire times, last run and skips; enable/disable.
 
-Creating or enabling a schedule (or moving an enabled one to another binding) also needs
-the binding's trigger permission (`dispatch.trigger_binding`): a schedule is a standing
-trigger. The form says so as an error; an action refuses with 403.
+Creating or enabling a schedule, or changing when or for which binding an enabled one
+fires (binding, cron, time zone, policies), also needs the trigger permission
+(`dispatch.trigger_binding`) of the binding(s) involved: a schedule is a standing trigger. The form says so as an error; an action refuses with 403.
 """
 
 from __future__ import annotations
@@ -35,13 +35,49 @@ def _link(viewname: str, pk: Any, text: str) -> str:
         return text
 
 
+# Every field that decides when, how often or for which binding an enabled schedule fires.
+FIRING_FIELDS = ("enabled", "binding_id", "cron", "timezone", "misfire_policy", "overlap_policy")
+
+
+def stored_firing(schedule: Schedule) -> dict[str, Any] | None:
+    """The stored values of FIRING_FIELDS, or None for a schedule not saved yet."""
+    if schedule.pk is None or schedule._state.adding:
+        return None
+    return Schedule.objects.filter(pk=schedule.pk).values(*FIRING_FIELDS).first()
+
+
 def needs_trigger_permission(schedule: Schedule, stored: Mapping[str, object] | None) -> bool:
-    """True when saving `schedule` creates, enables or re-targets an enabled schedule."""
+    """True when saving `schedule` leaves an enabled schedule that fires differently than
+    before: created or enabled, moved to another binding, a new cron or time zone (yearly to
+    every minute), other misfire/overlap policies. Disabling never needs it."""
     if not schedule.enabled:
         return False
     if stored is None:
         return True
-    return not stored["enabled"] or stored["binding_id"] != schedule.binding_id
+    current = {f: getattr(schedule, f) for f in FIRING_FIELDS}
+    current["cron"] = cron.normalize(current["cron"] or "")
+    return any(stored[f] != current[f] for f in FIRING_FIELDS)
+
+
+def bindings_involved(schedule: Schedule, stored: Mapping[str, object] | None) -> list[Any]:
+    """The binding the schedule fires for, and the one it is moved away from."""
+    ids = [schedule.binding_id]
+    if stored is not None and stored["binding_id"] not in ids:
+        ids.append(stored["binding_id"])
+    return [i for i in ids if i is not None]
+
+
+def may_trigger(user: Any, binding_ids: list[Any]) -> bool:
+    """The trigger permission for every binding: the model permission, or an object
+    permission on each binding where the site has a backend for those."""
+    if user.has_perm(TRIGGER_PERMISSION):
+        return True
+    from dispatch.models import JobBinding
+
+    bindings = list(JobBinding.objects.filter(pk__in=binding_ids))
+    return len(bindings) == len(set(binding_ids)) and all(
+        user.has_perm(TRIGGER_PERMISSION, b) for b in bindings
+    )
 
 
 class ScheduleForm(forms.ModelForm):
@@ -57,20 +93,21 @@ class ScheduleForm(forms.ModelForm):
         request = self.request
         if request is None or not (data.get("binding") or self.instance.binding_id):
             return data
-        stored = None
-        if self.instance.pk and not self.instance._state.adding:
-            stored = (
-                Schedule.objects.filter(pk=self.instance.pk).values("enabled", "binding_id").first()
-            )
+        stored = stored_firing(self.instance)
         candidate = Schedule(
             binding=data.get("binding") or self.instance.binding,
             enabled=bool(data.get("enabled")),
+            cron=data.get("cron", self.instance.cron),
+            timezone=data.get("timezone", self.instance.timezone),
+            misfire_policy=data.get("misfire_policy", self.instance.misfire_policy),
+            overlap_policy=data.get("overlap_policy", self.instance.overlap_policy),
         )
-        if needs_trigger_permission(candidate, stored) and not request.user.has_perm(
-            TRIGGER_PERMISSION
+        if needs_trigger_permission(candidate, stored) and not may_trigger(
+            request.user, bindings_involved(candidate, stored)
         ):
             raise forms.ValidationError(
-                "Creating or enabling a schedule needs the binding's trigger permission "
+                "Creating, enabling or changing when or for which binding an enabled "
+                "schedule fires needs the trigger permission of the binding(s) involved "
                 "(dispatch | binding | Can trigger a run of a binding) as well. Save it "
                 "disabled, or ask for that permission.",
                 code="trigger_permission",
@@ -149,12 +186,10 @@ class ScheduleAdmin(admin.ModelAdmin):
 
     def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
         # The form already refused; this guards every other path into save_model.
-        stored = (
-            Schedule.objects.filter(pk=obj.pk).values("enabled", "binding_id").first()
-            if change
-            else None
-        )
-        if needs_trigger_permission(obj, stored) and not self.has_trigger_permission(request):
+        stored = stored_firing(obj) if change else None
+        if needs_trigger_permission(obj, stored) and not may_trigger(
+            request.user, bindings_involved(obj, stored)
+        ):
             raise PermissionDenied
         super().save_model(request, obj, form, change)
 

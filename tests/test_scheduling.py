@@ -11,17 +11,19 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
+from django.contrib import admin
 from django.contrib.auth.models import Permission, User
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.management import call_command
 from django.db import connection
-from django.test import Client, override_settings
+from django.test import Client, RequestFactory, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from dispatch import claims
 from dispatch.models import Job, JobBinding, Run
 from dispatch.states import Status, Trigger
+from scheduling import admin as sched_admin
 from scheduling import cron
 from scheduling.models import MisfirePolicy, OverlapPolicy, Schedule, SkipReason, db_now
 from scheduling.reconciler import Fired, ScheduleReconciler, Skipped
@@ -488,3 +490,49 @@ def test_checks__bad_channel_and_grace_have_stable_ids() -> None:
     assert check_settings() == []
     with override_settings(DISPATCH_SCHEDULE_CHANNEL="", DISPATCH_MISFIRE_GRACE_SECONDS=0):
         assert [e.id for e in check_settings()] == ["scheduling.E001", "scheduling.E002"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("cron", "* * * * *"),  # yearly -> every minute
+        ("binding", None),  # moved to another binding (filled in below)
+        ("timezone", "Pacific/Kiritimati"),
+        ("overlap_policy", "QUEUE"),
+    ],
+)
+def test_admin_change__firing_changes_of_an_enabled_schedule_need_the_trigger_permission(
+    client: Client, field: str, value: str | None
+) -> None:
+    binding = BindingFactory()
+    schedule = Schedule.objects.create(binding=binding, cron="0 0 1 1 *", enabled=True)
+    if field == "binding":
+        value = str(BindingFactory().pk)
+    client.force_login(user_with("change_schedule", "view_schedule"))
+    change = reverse("admin:scheduling_schedule_change", args=[schedule.pk])
+    before = Schedule.objects.values(*sched_admin.FIRING_FIELDS).get(pk=schedule.pk)
+    faster = {**form_data(binding, cron="0 0 1 1 *"), field: value}
+    response = client.post(change, faster)
+    assert response.status_code == 200
+    assert "trigger permission of the binding(s) involved" in response.content.decode()
+    assert Schedule.objects.values(*sched_admin.FIRING_FIELDS).get(pk=schedule.pk) == before
+    # Disabling needs no trigger permission; an unchanged save neither.
+    assert client.post(change, form_data(binding, cron="0 0 1 1 *")).status_code == 302
+    assert (
+        client.post(change, form_data(binding, cron="0 0 1 1 *", enabled=None)).status_code == 302
+    )
+    # With the permission the same change is saved.
+    client.force_login(user_with("change_schedule", "view_schedule", "trigger_binding"))
+    assert client.post(change, faster).status_code == 302
+
+
+def test_save_model__refuses_a_faster_cron_without_the_trigger_permission() -> None:
+    schedule = Schedule.objects.create(binding=BindingFactory(), cron="0 0 1 1 *", enabled=True)
+    factory = RequestFactory()
+    request = factory.post("/")
+    request.user = user_with("change_schedule")
+    schedule.cron = "* * * * *"
+    model_admin = sched_admin.ScheduleAdmin(Schedule, admin.site)
+    with pytest.raises(PermissionDenied):
+        model_admin.save_model(request, schedule, None, change=True)
+    assert Schedule.objects.get(pk=schedule.pk).cron == "0 0 1 1 *"
