@@ -61,7 +61,7 @@ def needs_trigger_permission(schedule: Schedule, stored: Mapping[str, object] | 
 
 def bindings_involved(schedule: Schedule, stored: Mapping[str, object] | None) -> list[Any]:
     """The binding the schedule fires for, and the one it is moved away from."""
-    ids = [schedule.binding_id]
+    ids: list[Any] = [schedule.binding_id]
     if stored is not None and stored["binding_id"] not in ids:
         ids.append(stored["binding_id"])
     return [i for i in ids if i is not None]
