@@ -53,7 +53,16 @@ from dispatch.admin_views import (
 )
 from dispatch.connectors.base import ConnectorError
 from dispatch.forms import DatasourceForm, config_field_names
-from dispatch.models import SECRET_MASK, Attempt, Datasource, Job, JobBinding, Run, Worker
+from dispatch.models import (
+    SECRET_MASK,
+    Attempt,
+    Datasource,
+    Job,
+    JobBinding,
+    Overview,
+    Run,
+    Worker,
+)
 from dispatch.states import LIVE_STATUSES, RETRYABLE_RUN_STATUSES, BlockedReason, Status, Trigger
 
 # --- the action implementations (each one call of a service) -------------------------
@@ -270,9 +279,11 @@ class ConsoleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         obj = self.get_object(request, unquote(object_id))
         if obj is None:
             raise Http404(f"{self.opts.verbose_name} {object_id} does not exist")
+        request.current_app = self.admin_site.name
         url = reverse(
             f"admin:{self.opts.app_label}_{self.opts.model_name}_object_action",
             args=[object_id, action],
+            current_app=self.admin_site.name,
         )
         if request.method == "GET" and not spec.destructive:
             return HttpResponseNotAllowed(["POST"])
@@ -290,10 +301,18 @@ class ConsoleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             return HttpResponseRedirect(next_url)
         if report.created and request.user.has_perm("dispatch.view_run"):
             return HttpResponseRedirect(
-                reverse("admin:dispatch_run_change", args=[report.created[0].pk])
+                reverse(
+                    "admin:dispatch_run_change",
+                    args=[report.created[0].pk],
+                    current_app=self.admin_site.name,
+                )
             )
         return HttpResponseRedirect(
-            reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_change", args=[obj.pk])
+            reverse(
+                f"admin:{self.opts.app_label}_{self.opts.model_name}_change",
+                args=[obj.pk],
+                current_app=self.admin_site.name,
+            )
         )
 
     def object_buttons(self, request: HttpRequest, obj: Any) -> list[dict[str, Any]]:
@@ -305,6 +324,7 @@ class ConsoleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 "url": reverse(
                     f"admin:{self.opts.app_label}_{self.opts.model_name}_object_action",
                     args=[obj.pk, spec.name],
+                    current_app=self.admin_site.name,
                 ),
             }
             for spec in self.object_actions
@@ -345,8 +365,10 @@ def _perm(codename: str) -> Callable[[Any, HttpRequest], bool]:
     return check
 
 
-def _link(viewname: str, pk: Any, text: Any) -> SafeString:
-    return format_html('<a href="{}">{}</a>', reverse(viewname, args=[pk]), text)
+def _link(modeladmin: Any, viewname: str, pk: Any, text: Any) -> SafeString:
+    """A link into the admin site `modeladmin` is registered on (not the default one)."""
+    url = reverse(viewname, args=[pk], current_app=modeladmin.admin_site.name)
+    return format_html('<a href="{}">{}</a>', url, text)
 
 
 # --- datasources, jobs, bindings ----------------------------------------------------------
@@ -528,7 +550,10 @@ class JobBindingAdmin(ConsoleAdmin):
         if run_id is None:
             return format_html("{}", "—")
         return _link(
-            "admin:dispatch_run_change", run_id, status_badge(getattr(obj, "latest_status", None))
+            self,
+            "admin:dispatch_run_change",
+            run_id,
+            status_badge(getattr(obj, "latest_status", None)),
         )
 
 
@@ -671,7 +696,7 @@ class RunAdmin(HistoryAdmin):
     ) -> HttpResponse:
         extra_context = {
             **(extra_context or {}),
-            "overview_url": reverse("admin:dispatch_overview"),
+            "overview_url": reverse("admin:dispatch_overview", current_app=self.admin_site.name),
         }
         return super().changelist_view(request, extra_context)
 
@@ -722,11 +747,11 @@ class RunAdmin(HistoryAdmin):
 
     @admin.display(description="binding")
     def binding_link(self, obj: Run) -> SafeString:
-        return _link("admin:dispatch_jobbinding_change", obj.binding_id, obj.binding.name)
+        return _link(self, "admin:dispatch_jobbinding_change", obj.binding_id, obj.binding.name)
 
     @admin.display(description="job")
     def job_link(self, obj: Run) -> SafeString:
-        return _link("admin:dispatch_job_change", obj.binding.job_id, obj.binding.job.name)
+        return _link(self, "admin:dispatch_job_change", obj.binding.job_id, obj.binding.job.name)
 
 
 def _json_block(value: Any) -> SafeString:
@@ -855,19 +880,19 @@ class AttemptAdmin(HistoryAdmin):
 
     @admin.display(description="run")
     def run_link(self, obj: Attempt) -> SafeString:
-        return _link("admin:dispatch_run_change", obj.run_id, obj.run_id)
+        return _link(self, "admin:dispatch_run_change", obj.run_id, obj.run_id)
 
     @admin.display(description="source")
     def source_link(self, obj: Attempt) -> SafeString:
         if obj.source_id is None:
             return format_html("{}", "—")
-        return _link("admin:dispatch_datasource_change", obj.source_id, obj.source)
+        return _link(self, "admin:dispatch_datasource_change", obj.source_id, obj.source)
 
     @admin.display(description="sink")
     def sink_link(self, obj: Attempt) -> SafeString:
         if obj.sink_id is None:
             return format_html("{}", "—")
-        return _link("admin:dispatch_datasource_change", obj.sink_id, obj.sink)
+        return _link(self, "admin:dispatch_datasource_change", obj.sink_id, obj.sink)
 
     @admin.display(description="source settings")
     def source_redacted_view(self, obj: Attempt) -> SafeString:
@@ -942,7 +967,9 @@ class WorkerAdmin(HistoryAdmin):
         )
         rows = [
             (
-                reverse("admin:dispatch_attempt_change", args=[a.pk]),
+                reverse(
+                    "admin:dispatch_attempt_change", args=[a.pk], current_app=self.admin_site.name
+                ),
                 a.run.binding.name,
                 a.number,
                 a.run_id,
@@ -959,3 +986,32 @@ class WorkerAdmin(HistoryAdmin):
     @admin.display(description="counters")
     def stats_view(self, obj: Worker) -> SafeString:
         return _json_block(obj.stats or {})
+
+
+@admin.register(Overview)
+class OverviewAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """The admin index's "Overview" entry: its list page is the console's overview."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return bool(request.user.has_perm("dispatch.view_run"))
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return self.has_view_permission(request)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        return HttpResponseRedirect(
+            reverse("admin:dispatch_overview", current_app=self.admin_site.name)
+        )

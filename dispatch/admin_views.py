@@ -540,11 +540,15 @@ def _nice(n: int) -> int:
 
 
 def overview_view(modeladmin: ModelAdmin[Any], request: HttpRequest) -> HttpResponse:
+    # `{% url 'admin:...' %}` in the templates resolves in this admin site's namespace.
+    request.current_app = modeladmin.admin_site.name
     context = {
         **modeladmin.admin_site.each_context(request),
         "title": "Dispatch overview",
         "opts": modeladmin.model._meta,
         **overview_context(),
-        "run_changelist": reverse("admin:dispatch_run_changelist"),
+        "run_changelist": reverse(
+            "admin:dispatch_run_changelist", current_app=modeladmin.admin_site.name
+        ),
     }
     return TemplateResponse(request, "admin/dispatch/overview.html", context)

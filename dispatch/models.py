@@ -556,3 +556,14 @@ class Worker(models.Model):
 
     def __str__(self) -> str:
         return self.id
+
+
+class Overview(Run):
+    """No table of its own: the admin index's entry for the console's overview page (the
+    app ships it, so a host site needs no template of its own to reach it)."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "overview"
+        verbose_name_plural = "overview"
+        default_permissions = ()  # seen by whoever may view runs

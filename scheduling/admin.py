@@ -27,10 +27,12 @@ UPCOMING = 5
 POLICY_FIELDS = ["misfire_policy", "overlap_policy"]
 
 
-def _link(viewname: str, pk: Any, text: str) -> str:
-    """A link to another admin page, or the plain text when that page is not registered."""
+def _link(modeladmin: Any, viewname: str, pk: Any, text: str) -> str:
+    """A link to another page of the admin site `modeladmin` is registered on, or the
+    plain text when that page is not registered there."""
     try:
-        return format_html('<a href="{}">{}</a>', reverse(viewname, args=[pk]), text)
+        url = reverse(viewname, args=[pk], current_app=modeladmin.admin_site.name)
+        return format_html('<a href="{}">{}</a>', url, text)
     except NoReverseMatch:
         return text
 
@@ -200,7 +202,7 @@ class ScheduleAdmin(admin.ModelAdmin):
 
     @admin.display(description="binding", ordering="binding__name")
     def binding_link(self, obj: Schedule) -> str:
-        return _link("admin:dispatch_jobbinding_change", obj.binding_id, obj.binding.name)
+        return _link(self, "admin:dispatch_jobbinding_change", obj.binding_id, obj.binding.name)
 
     @admin.display(description=f"next {UPCOMING} fire times")
     def upcoming(self, obj: Schedule) -> str:
@@ -224,7 +226,7 @@ class ScheduleAdmin(admin.ModelAdmin):
         if run is None:
             return "-"
         return format_html(
-            "{} {}", _link("admin:dispatch_run_change", run.pk, str(run.pk)[:8]), run.status
+            "{} {}", _link(self, "admin:dispatch_run_change", run.pk, str(run.pk)[:8]), run.status
         )
 
     @admin.display(description="meaning")
