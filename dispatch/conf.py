@@ -45,3 +45,12 @@ def misfire_grace_seconds() -> float:
 def extra_connectors() -> list[str]:
     """Dotted paths of connector classes a site adds to the built-in kinds."""
     return list(getattr(settings, "DISPATCH_CONNECTORS", []))
+
+
+def csv_base_dirs() -> list[str]:
+    """Directories a csv datasource's base_dir must lie in; empty: any directory but the
+    file system root and the system directories (see docs/security.md)."""
+    dirs = getattr(settings, "DISPATCH_CSV_BASE_DIRS", [])
+    if isinstance(dirs, str):
+        dirs = dirs.split(",")
+    return [d.strip() for d in dirs if d.strip()]

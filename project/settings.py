@@ -125,6 +125,9 @@ DISPATCH_SHUTDOWN_GRACE_SECONDS = _float("DISPATCH_SHUTDOWN_GRACE_SECONDS", 10.0
 DISPATCH_MISFIRE_GRACE_SECONDS = _float("DISPATCH_MISFIRE_GRACE_SECONDS", 60.0)
 DISPATCH_SCHEDULE_CHANNEL = env.str("DISPATCH_SCHEDULE_CHANNEL", default="dispatch_schedules")
 DISPATCH_CONNECTORS = env.list("DISPATCH_CONNECTORS", default=[])
+# Directories csv datasources may use as base_dir (comma-separated); empty: any directory
+# but / and the system directories (docs/security.md).
+DISPATCH_CSV_BASE_DIRS = env.list("DISPATCH_CSV_BASE_DIRS", default=[])
 
 LOG_LEVEL = env.str("LOG_LEVEL", default="INFO")
 LOGGING = {

@@ -1,7 +1,9 @@
 """The `csv` kind: files under one configured base directory, read and written as UTF-8.
 
 Every path is confined to `base_dir`: absolute paths, `..` and symlinks that lead out of
-it are refused. A CSV file cannot take part in the sink fence, so the writer re-checks its
+it are refused, and so are files with more than one hard link (a hard link inside
+base_dir may name a file outside it). `base_dir` itself must lie in one of the site's
+`DISPATCH_CSV_BASE_DIRS` (when set) and is never `/` or a system directory. A CSV file cannot take part in the sink fence, so the writer re-checks its
 attempt (`ctx.fence.check()`) immediately before it publishes the file.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import json
 import os
 import tempfile
@@ -19,6 +22,7 @@ from typing import IO, Any
 
 from django.core.exceptions import ValidationError
 
+from dispatch import conf
 from dispatch.connectors.base import (
     Batch,
     Column,
@@ -45,9 +49,78 @@ def check_relative_path(value: Any, field: str = "path") -> str:
         raise ValidationError(f"{field}: must not contain a NUL character")
     if value.startswith(("/", "\\")) or os.path.isabs(value):
         raise ValidationError(f"{field}: {value!r} is absolute; give a path relative to base_dir")
-    if ".." in PurePosixPath(value.replace("\\", "/")).parts:
+    parts = PurePosixPath(value.replace("\\", "/")).parts
+    if ".." in parts:
         raise ValidationError(f"{field}: {value!r} contains '..'; paths stay inside base_dir")
+    if len(value.encode()) > MAX_PATH_BYTES:
+        raise ValidationError(f"{field}: is longer than {MAX_PATH_BYTES} bytes")
+    if any(len(part.encode()) > MAX_NAME_BYTES for part in parts):
+        raise ValidationError(f"{field}: a name in it is longer than {MAX_NAME_BYTES} bytes")
     return value
+
+
+# File names: the temporary file beside the target adds a prefix and a suffix (about 16
+# bytes) to the name, and most file systems allow 255 bytes per name.
+MAX_NAME_BYTES = 200
+MAX_PATH_BYTES = 1024
+# Never a base directory, whatever DISPATCH_CSV_BASE_DIRS says: the root and the system's
+# own trees (configuration, devices, kernel interfaces, programs, libraries).
+SYSTEM_DIRS = (
+    "/",
+    "/etc",
+    "/dev",
+    "/proc",
+    "/sys",
+    "/boot",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib64",
+    "/usr",
+    "/root",
+    "/run",
+    "/var/run",
+)
+# OSError numbers that a retry cannot fix.
+PERMANENT_ERRNOS = {
+    errno.ENAMETOOLONG,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ELOOP,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EINVAL,
+}
+
+
+def _os_error(message: str, exc: OSError) -> Exception:
+    text = f"{message}: {exc.strerror}"
+    if exc.errno in PERMANENT_ERRNOS:
+        return PermanentError(text)
+    return TransientError(text)
+
+
+def check_base_dir(base_dir: str) -> str | None:
+    """Why `base_dir` is not allowed as a base directory, or None."""
+    real = os.path.realpath(base_dir)
+    for system in SYSTEM_DIRS:
+        if real == os.path.realpath(system) or (
+            system in ("/proc", "/sys", "/dev", "/etc", "/boot")
+            and real.startswith(system.rstrip("/") + "/")
+        ):
+            return f"{base_dir!r} is a system directory; choose a directory for data files"
+    allowed = conf.csv_base_dirs()
+    if allowed:
+        for root in allowed:
+            root_real = os.path.realpath(root)
+            if real == root_real or real.startswith(root_real.rstrip("/") + "/"):
+                return None
+        return (
+            f"{base_dir!r} is not inside a directory the site allows for CSV files "
+            f"(DISPATCH_CSV_BASE_DIRS: {', '.join(allowed)})"
+        )
+    return None
 
 
 def resolve(base_dir: str, path: str) -> str:
@@ -56,6 +129,9 @@ def resolve(base_dir: str, path: str) -> str:
         check_relative_path(path)
     except ValidationError as exc:
         raise PermanentError(exc.messages[0]) from None
+    refused = check_base_dir(base_dir)
+    if refused:
+        raise PermanentError(f"base_dir {refused}")
     base = os.path.realpath(base_dir)
     if not os.path.isdir(base):
         raise PermanentError(f"base_dir {base_dir!r} is not an existing directory")
@@ -119,6 +195,9 @@ class CSVConnector(Connector):
             raise ValidationError({"base_dir": ["must be an absolute path"]})
         if not os.path.isdir(base):
             raise ValidationError({"base_dir": [f"{base!r} is not an existing directory"]})
+        refused = check_base_dir(base)
+        if refused:
+            raise ValidationError({"base_dir": [refused]})
         return config
 
     @classmethod
@@ -171,8 +250,9 @@ class CSVConnector(Connector):
         except IsADirectoryError:
             raise PermanentError(f"source path {spec['path']!r} is a directory") from None
         except OSError as exc:
-            raise TransientError(f"cannot open {spec['path']!r}: {exc.strerror}") from None
+            raise _os_error(f"cannot open {spec['path']!r}", exc) from None
         try:
+            _single_link(handle.fileno(), spec["path"])
             yield _Reader(handle, spec)
         finally:
             handle.close()
@@ -191,6 +271,18 @@ class CSVConnector(Connector):
             yield writer
         finally:
             writer.discard()
+
+
+def _single_link(fd: int, name: str) -> None:
+    """Refuse an open file that has other hard links: one of them may be outside base_dir
+    (a hard link carries no path to check), so reading or appending through it would
+    reach that file."""
+    st = os.fstat(fd)
+    if st.st_nlink > 1:
+        raise PermanentError(
+            f"{name!r} has {st.st_nlink} hard links; a file with other names may lie outside "
+            "base_dir, so it is neither read nor appended to"
+        )
 
 
 class _Reader:
@@ -266,6 +358,11 @@ class _Writer:
         self.rows = 0
         self.types = [c.type for c in columns]
         directory = os.path.dirname(path)
+        if self.mode == "append" and os.path.isfile(path) and os.stat(path).st_nlink > 1:
+            raise PermanentError(
+                f"{spec['path']!r} has {os.stat(path).st_nlink} hard links; a file with other "
+                "names may lie outside base_dir, so it is not appended to"
+            )
         if not os.path.isdir(directory):
             raise PermanentError(f"the directory of {spec['path']!r} does not exist")
         try:
@@ -273,9 +370,7 @@ class _Writer:
                 dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
             )
         except OSError as exc:
-            raise TransientError(
-                f"cannot write in the directory of {spec['path']!r}: {exc.strerror}"
-            ) from None
+            raise _os_error(f"cannot write in the directory of {spec['path']!r}", exc) from None
         self.handle: IO[str] | None = open(fd, "w", encoding="utf-8", newline="")  # noqa: SIM115
         self.csv = csv.writer(
             self.handle, delimiter=spec.get("delimiter", ","), lineterminator="\n"
@@ -313,6 +408,11 @@ class _Writer:
     def _append(self) -> None:
         # O_NOFOLLOW: the target must not have become a symlink since it was resolved.
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            _single_link(fd, self.spec["path"])
+        except PermanentError:
+            os.close(fd)
+            raise
         with open(fd, "w", encoding="utf-8", newline="") as out:
             if self.header and self.columns and os.fstat(fd).st_size == 0:
                 csv.writer(
