@@ -1,0 +1,303 @@
+"""The package as a Django user gets it: build the wheel from the checkout, install it into
+a fresh virtualenv that cannot see the repository, start a new `django-admin startproject`
+site with both apps and use it: check, migrate, trigger a generate -> null run, drain it
+with `runworker --burst`, and render every admin page of both apps on a custom admin site
+under a URL prefix. The clear errors of a host site (SQLite, no key, a bad connector path,
+an unmigrated database) are checked in that same site.
+
+One wheel and one virtualenv per test session (pip's cache makes the install quick)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import psycopg
+import pytest
+from django.db import connection
+from psycopg import sql
+
+from tests.conftest import test_database_url
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "7tLtvrDaR4N3B7yWAnMGz7CVGRHhKK0mFmGiZ1cxjbs="
+SKIP_COPY = shutil.ignore_patterns(
+    ".git", ".venv", ".data", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".env"
+)
+
+pytestmark = pytest.mark.slow
+
+
+def run(args: list[str], *, cwd: Path, env: dict[str, str], ok: bool = True, timeout: float = 120):
+    proc = subprocess.run(
+        args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if ok and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        )
+    return proc
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """No PYTHONPATH, no Django settings and no database of the repository's own."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"PYTHONPATH", "DJANGO_SETTINGS_MODULE", "DATABASE_URL", "VIRTUAL_ENV"}
+        and not k.startswith("DISPATCH_")
+    }
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("checkout") / "src"
+    shutil.copytree(ROOT, src, ignore=SKIP_COPY)
+    out = tmp_path_factory.mktemp("wheel")
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-build-isolation",
+            "--no-deps",
+            "-q",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        cwd=src,
+        env=clean_env(),
+    )
+    (built,) = out.glob("django_dispatch_sync-*.whl")
+    return built
+
+
+@pytest.fixture(scope="session")
+def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("venv") / "env"
+    run([sys.executable, "-m", "venv", str(home)], cwd=home.parent, env=clean_env())
+    run(
+        [str(home / "bin" / "python"), "-m", "pip", "install", "-q", str(wheel), "psycopg[binary]"],
+        cwd=home.parent,
+        env=clean_env(),
+        timeout=300,
+    )
+    return home
+
+
+def test_wheel__holds_every_file_the_apps_need_and_nothing_of_the_repository(wheel: Path):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/", 1)[0] for n in names}
+    assert top == {"dispatch", "scheduling", "django_dispatch_sync-0.1.0.dist-info"}, top
+    assert not top & {"project", "tests", "bench", "docs"}
+    for path in [
+        *(ROOT / "dispatch" / "sql").rglob("*.sql"),
+        *(ROOT / "scheduling" / "sql").rglob("*.sql"),
+        *(ROOT / "dispatch" / "templates").rglob("*.html"),
+        *(ROOT / "scheduling").glob("templates/**/*.html"),
+    ]:
+        assert path.relative_to(ROOT).as_posix() in names, f"{path} missing from the wheel"
+    metadata = zipfile.ZipFile(wheel).read("django_dispatch_sync-0.1.0.dist-info/METADATA")
+    text = metadata.decode()
+    assert "License-Expression: MIT" in text
+    assert "Requires-Dist: django-environ" in text and 'extra == "site"' in text
+    # Demo and test commands belong to the repository's site only.
+    for command in ("seed_demo", "seed_demo_schedules", "chaos"):
+        assert not [n for n in names if n.endswith(f"/commands/{command}.py")], command
+
+
+SETTINGS_TAIL = """
+
+# --- added by the packaging test, as a site's owner would -------------------------
+import os
+
+INSTALLED_APPS += ["dispatch", "scheduling"]
+if os.environ.get("HOST_DB_NAME"):
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": os.environ["HOST_DB_NAME"],
+            "USER": os.environ["HOST_DB_USER"],
+            "PASSWORD": os.environ.get("HOST_DB_PASSWORD", ""),
+            "HOST": os.environ["HOST_DB_HOST"],
+            "PORT": os.environ["HOST_DB_PORT"],
+        }
+    }
+DISPATCH_ENCRYPTION_KEYS = [k for k in os.environ.get("HOST_KEYS", "").split(",") if k]
+DISPATCH_CONNECTORS = [p for p in os.environ.get("HOST_CONNECTORS", "").split(",") if p]
+DISPATCH_POLL_INTERVAL = 0.5
+"""
+
+URLS = """
+from django.contrib import admin
+from django.contrib.admin import AdminSite
+from django.urls import path
+
+from dispatch.admin_site import register
+
+ops = AdminSite(name="ops")
+register(ops)
+
+urlpatterns = [path("ops/console/", ops.urls), path("admin/", admin.site.urls)]
+"""
+
+SETUP = """
+from dispatch.models import Datasource, Job, JobBinding
+source = Datasource(name="gen", kind="generate")
+source.config = {}
+source.save()
+sink = Datasource(name="void", kind="null")
+sink.config = {}
+sink.save()
+job = Job.objects.create(name="copy", source_spec={"rows": 25})
+JobBinding.objects.create(name="gen-to-void", job=job, source=source, sink=sink)
+"""
+
+RESULT = """
+from dispatch.models import Run
+run = Run.objects.get()
+attempt = run.attempts.get()
+print(run.status, attempt.rows_written)
+"""
+
+PAGES = """
+import re
+from django.contrib.auth import get_user_model
+from django.test import Client
+from django.test.utils import setup_test_environment
+from django.urls import reverse
+from scheduling.models import Schedule
+from dispatch.models import JobBinding
+from site_one.urls import ops
+
+setup_test_environment()
+Schedule.objects.create(binding=JobBinding.objects.get(), cron="0 * * * *", timezone="UTC",
+                        enabled=False)
+user = get_user_model().objects.create_superuser("op", "op@example.com", "pw-not-used")
+client = Client()
+client.force_login(user)
+urls = [reverse("ops:index"), reverse("ops:dispatch_overview"),
+        reverse("ops:app_list", args=["dispatch"]), reverse("ops:app_list", args=["scheduling"])]
+for model, model_admin in ops._registry.items():
+    info = model._meta.app_label, model._meta.model_name
+    urls += [reverse("ops:%s_%s_changelist" % info), reverse("ops:%s_%s_add" % info)]
+    for row in model._default_manager.all()[:2]:
+        urls += [reverse("ops:%s_%s_change" % info, args=[row.pk]),
+                 reverse("ops:%s_%s_history" % info, args=[row.pk])]
+apps = set()
+for url in urls:
+    assert url.startswith("/ops/console/"), url
+    response = client.get(url)
+    if url.endswith("/add/") and response.status_code == 403:
+        continue
+    assert response.status_code in (200, 302), (url, response.status_code)
+    if response.status_code == 302:
+        assert response["Location"].startswith("/ops/console/"), url
+        continue
+    body = response.content.decode()
+    wrong = [h for h in re.findall(r'(?:href|action)="(/[^"]*)"', body) if h.startswith("/admin/")]
+    assert not wrong, (url, wrong[:3])
+    apps.add(url.split("/")[3])
+index = client.get(reverse("ops:index")).content.decode()
+assert reverse("ops:dispatch_overview_changelist") in index, "no overview entry on the index"
+print("PAGES", len(urls), sorted(apps))
+"""
+
+
+@pytest.fixture
+def host_database() -> dict[str, str]:
+    name = f"{connection.settings_dict['NAME']}_host_site"
+    admin_url = test_database_url().rsplit("/", 1)[0] + "/postgres"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    s = connection.settings_dict
+    yield {
+        "HOST_DB_NAME": name,
+        "HOST_DB_USER": s["USER"],
+        "HOST_DB_PASSWORD": s.get("PASSWORD") or "",
+        "HOST_DB_HOST": s["HOST"] or "127.0.0.1",
+        "HOST_DB_PORT": str(s["PORT"] or 5432),
+    }
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+
+
+@pytest.mark.django_db
+def test_a_new_django_site__installs_migrates_runs_and_serves_the_console(
+    venv: Path, tmp_path: Path, host_database: dict[str, str]
+):
+    bindir = venv / "bin"
+    run(
+        [str(bindir / "django-admin"), "startproject", "site_one", str(tmp_path)],
+        cwd=tmp_path,
+        env=clean_env(),
+    )
+    (tmp_path / "site_one" / "settings.py").open("a").write(SETTINGS_TAIL)
+    (tmp_path / "site_one" / "urls.py").write_text(URLS)
+    python = str(bindir / "python")
+    manage = [python, "manage.py"]
+    base = clean_env(DJANGO_SETTINGS_MODULE="site_one.settings", PYTHONUNBUFFERED="1")
+
+    # The apps come from the virtualenv, never from the checkout.
+    where = run(
+        [
+            python,
+            "-c",
+            "import dispatch, sys; print(dispatch.__file__); "
+            "import importlib.util as u; print(u.find_spec('tests'), u.find_spec('project'))",
+        ],
+        cwd=tmp_path,
+        env=base,
+    ).stdout
+    assert str(venv) in where.splitlines()[0] and str(ROOT) not in where
+    assert where.splitlines()[1] == "None None"
+
+    # Clear errors: the SQLite database startproject made, then no key, a bad connector.
+    sqlite = run([*manage, "check"], cwd=tmp_path, env={**base, "HOST_KEYS": KEY}, ok=False)
+    assert sqlite.returncode != 0 and "dispatch.E010" in sqlite.stderr, sqlite.stderr
+    pg = {**base, **host_database}
+    no_key = run([*manage, "check"], cwd=tmp_path, env=pg, ok=False)
+    assert no_key.returncode != 0 and "dispatch.E001" in no_key.stderr
+    env = {**pg, "HOST_KEYS": KEY}
+    bad = run(
+        [*manage, "check"],
+        cwd=tmp_path,
+        env={**env, "HOST_CONNECTORS": "site_one.connectors.Nope"},
+        ok=False,
+    )
+    assert bad.returncode != 0 and "dispatch.E012" in bad.stderr
+    assert "site_one.connectors.Nope" in bad.stderr
+    unmigrated = run([*manage, "runworker", "--burst"], cwd=tmp_path, env=env, ok=False, timeout=60)
+    assert unmigrated.returncode != 0 and "manage.py migrate" in unmigrated.stderr
+
+    run([*manage, "check"], cwd=tmp_path, env=env)
+    run([*manage, "migrate", "--no-input", "-v", "0"], cwd=tmp_path, env=env)
+    run([*manage, "makemigrations", "--check", "--dry-run"], cwd=tmp_path, env=env)
+    run([*manage, "shell", "--no-imports", "-c", SETUP], cwd=tmp_path, env=env)
+    run_id = run([*manage, "trigger", "gen-to-void"], cwd=tmp_path, env=env).stdout.strip()
+    assert len(run_id) == 36
+    worker = run([*manage, "runworker", "--burst"], cwd=tmp_path, env=env, timeout=60)
+    # No LOGGING in a fresh site: the worker logs to stderr anyway, with a start-up line.
+    assert "worker started" in worker.stderr and "channel=dispatch_runs" in worker.stderr
+    assert f"database={host_database['HOST_DB_HOST']}" in worker.stderr
+    assert run(
+        [*manage, "shell", "--no-imports", "-c", RESULT], cwd=tmp_path, env=env
+    ).stdout.split() == [
+        "SUCCEEDED",
+        "25",
+    ]
+    pages = run([*manage, "shell", "--no-imports", "-c", PAGES], cwd=tmp_path, env=env).stdout
+    assert "PAGES" in pages and "'dispatch'" in pages and "'scheduling'" in pages, pages
