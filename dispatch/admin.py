@@ -32,9 +32,11 @@ from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllow
 from django.http.response import HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
+from django.utils.decorators import method_decorator
 from django.utils.html import format_html, format_html_join
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.safestring import SafeString
+from django.views.decorators.debug import sensitive_post_parameters
 
 from dispatch import services
 from dispatch.admin_views import (
@@ -406,6 +408,20 @@ class DatasourceAdmin(ConsoleAdmin):
     ]
     object_actions = (TEST,)
     has_test_permission = _perm("test_datasource")
+
+    # Every view that receives a datasource's settings: an error report (the debug page,
+    # the admins' error mail) shows none of the POST values.
+    @method_decorator(sensitive_post_parameters())
+    def changeform_view(self, *args: Any, **kwargs: Any) -> Any:
+        return super().changeform_view(*args, **kwargs)
+
+    @method_decorator(sensitive_post_parameters())
+    def changelist_view(self, *args: Any, **kwargs: Any) -> Any:
+        return super().changelist_view(*args, **kwargs)
+
+    @method_decorator(sensitive_post_parameters())
+    def object_action_view(self, *args: Any, **kwargs: Any) -> Any:
+        return super().object_action_view(*args, **kwargs)
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         fixed = ["version", "created_at", "updated_at", "stored_settings"]

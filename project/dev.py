@@ -44,14 +44,16 @@ def ensure_env_file() -> None:
     print(f"wrote development keys to {ENV_FILE.name}")
 
 
-def demo_password() -> str:
-    """The demo login's password: generated once, kept under .data/ (never committed)."""
+def demo_password_file() -> Path:
+    """The file holding the demo login's password: generated once, kept under .data/
+    (never committed, mode 0600). Its path, not the password, goes on command lines."""
     path = ROOT / ".data" / "demo-admin-password"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(secrets.token_urlsafe(12))
-        path.chmod(0o600)
-    return path.read_text().strip()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(12))
+    return path
 
 
 def database_url() -> tuple[str, bool]:
@@ -77,7 +79,7 @@ def cmd_run() -> int:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         manage("migrate", "--no-input", "-v", "0", env=env)
-        manage("seed_demo", "--admin-password", demo_password(), env=env)
+        manage("seed_demo", "--admin-password-file", str(demo_password_file()), env=env)
         manage("seed_demo_schedules", env=env)
         print(f"\n  Admin:  http://127.0.0.1:{port}/admin/   (see the login above)\n", flush=True)
         procs.append(

@@ -37,6 +37,30 @@ if not SECRET_KEY:
     SECRET_KEY = "insecure-development-only-key"
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["127.0.0.1", "localhost"])
 
+# --- HTTPS deployment (`manage.py check --deploy`) --------------------------------------
+# HTTPS=true turns on everything a site served over HTTPS wants; each setting can still be
+# set on its own. Off by default: `make run` serves plain HTTP on 127.0.0.1.
+HTTPS = env.bool("HTTPS", default=False)
+SECURE_SSL_REDIRECT = env.bool("SECURE_SSL_REDIRECT", default=HTTPS)
+SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS", default=31_536_000 if HTTPS else 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", default=HTTPS)
+SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=False)
+SESSION_COOKIE_SECURE = env.bool("SESSION_COOKIE_SECURE", default=HTTPS)
+CSRF_COOKIE_SECURE = env.bool("CSRF_COOKIE_SECURE", default=HTTPS)
+# e.g. https://dispatch.example.com (scheme included), comma-separated.
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+# Behind a TLS-terminating proxy: the header it sets and the value that means HTTPS,
+# e.g. SECURE_PROXY_SSL_HEADER=HTTP_X_FORWARDED_PROTO,https. Only set it when the proxy
+# always sets (and overwrites) that header.
+_proxy_header = env.list("SECURE_PROXY_SSL_HEADER", default=[])
+if _proxy_header:
+    if len(_proxy_header) != 2 or not _proxy_header[0].startswith("HTTP_"):
+        raise ImproperlyConfigured(
+            "SECURE_PROXY_SSL_HEADER must be HEADER,VALUE with a META name, "
+            "e.g. HTTP_X_FORWARDED_PROTO,https"
+        )
+    SECURE_PROXY_SSL_HEADER = (_proxy_header[0], _proxy_header[1])
+
 if "DATABASE_URL" not in env:
     raise ImproperlyConfigured(
         "DATABASE_URL is not set, e.g. postgres://user:password@127.0.0.1:5432/dispatch. "

@@ -6,7 +6,7 @@ from typing import Any
 
 import psycopg
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 from django.db import connection, transaction
 from psycopg import sql
 
@@ -31,11 +31,13 @@ class Command(BaseCommand):
     help = "Create a demo (datasources, jobs, bindings) and an admin login; idempotent."
 
     def add_arguments(self, parser: Any) -> None:
+        # A file, never the password itself: a command line is visible to every local
+        # user (ps, /proc/<pid>/cmdline) and lands in shell history.
         parser.add_argument(
-            "--admin-password",
+            "--admin-password-file",
             default=None,
-            help="set the 'admin' login to this password (default: a new random one "
-            "when the user does not exist yet)",
+            help="set the 'admin' login to the password in this file (default: a new "
+            "random one when the user does not exist yet)",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -57,7 +59,15 @@ class Command(BaseCommand):
         self._seed_connector_demos()
         user_model = get_user_model()
         user = user_model.objects.filter(username="admin").first()
-        password = options["admin_password"]
+        password = None
+        if options["admin_password_file"]:
+            try:
+                with open(options["admin_password_file"], encoding="utf-8") as f:
+                    password = f.read().strip()
+            except OSError as exc:
+                raise CommandError(f"cannot read --admin-password-file: {exc.strerror}") from None
+            if not password:
+                raise CommandError("--admin-password-file is empty")
         if user is None:
             password = password or secrets.token_urlsafe(12)
             user_model.objects.create_superuser("admin", "admin@example.com", password)
