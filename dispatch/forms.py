@@ -59,7 +59,12 @@ def config_field_names(kind: str | None, *, stored: dict[str, Any] | None = None
 def _form_field(f: ConfigField, *, stored: bool) -> forms.Field:
     help_text = f.help
     if f.secret:
-        keep = "A value is stored; leave blank to keep it." if stored else ""
+        keep = (
+            "A value is stored; leave blank to keep it. Changing where it is sent (host, "
+            "port, user, ...) needs it again."
+            if stored
+            else ""
+        )
         help_text = " ".join(x for x in (help_text, keep, "Never shown again after saving.") if x)
         # render_value=False: the stored secret never travels back to the browser, not
         # even after a failed submit.
@@ -212,10 +217,20 @@ class DatasourceForm(forms.ModelForm):  # type: ignore[type-arg]
     ) -> dict[str, Any]:
         assert self.connector is not None
         config: dict[str, Any] = {}
+        moved = self._destination_changes(cleaned, previous)
         for f in self.connector.config_fields:
             value = cleaned.get(PREFIX + f.name)
             if f.secret:
                 if cleaned.get(PREFIX + f.name + CLEAR_SUFFIX):
+                    continue
+                if value in (None, "") and moved and previous.get(f.name) not in (None, ""):
+                    # A stored secret is sent only where it was entered for.
+                    self.add_error(
+                        PREFIX + f.name,
+                        f"{', '.join(moved)} changed: enter the {f.name} again (a stored "
+                        f"{f.name} is never sent to a new destination)"
+                        + (", or clear it" if not f.required else ""),
+                    )
                     continue
                 if value in (None, ""):
                     value = previous.get(f.name)  # blank keeps the stored secret
@@ -227,6 +242,21 @@ class DatasourceForm(forms.ModelForm):  # type: ignore[type-arg]
                 continue
             config[f.name] = value
         return config
+
+    def _destination_changes(self, cleaned: dict[str, Any], previous: dict[str, Any]) -> list[str]:
+        """The destination fields (ConfigField.destination) whose value this submit changes."""
+        assert self.connector is not None
+        if self.instance._state.adding:
+            return []
+
+        def norm(value: Any) -> Any:
+            return None if value in (None, "") else value
+
+        return [
+            f.name
+            for f in self.connector.config_fields
+            if f.destination and norm(cleaned.get(PREFIX + f.name)) != norm(previous.get(f.name))
+        ]
 
     def _config_from_json(self, text: str, previous: dict[str, Any]) -> dict[str, Any] | None:
         if jsondepth.text_too_deep(text):
@@ -240,10 +270,22 @@ class DatasourceForm(forms.ModelForm):  # type: ignore[type-arg]
         if not isinstance(config, dict):
             self.add_error(JSON_FIELD, "must be a JSON object")
             return None
-        # A masked value sent back unchanged keeps what is stored.
-        return {
-            k: (previous[k] if v == SECRET_MASK and k in previous else v) for k, v in config.items()
-        }
+        # A masked value sent back unchanged keeps what is stored, unless another value
+        # changed: the kind declares no fields, so any of them may say where the secret goes.
+        masked = [k for k, v in config.items() if v == SECRET_MASK and k in previous]
+        changed = sorted(
+            k
+            for k in set(config) | set(previous)
+            if k not in masked and config.get(k) != previous.get(k)
+        )
+        if masked and changed:
+            self.add_error(
+                JSON_FIELD,
+                f"{', '.join(changed)} changed: enter {', '.join(masked)} again (a stored "
+                "secret is never sent to a new destination)",
+            )
+            return None
+        return {k: (previous[k] if k in masked else v) for k, v in config.items()}
 
     def _add_config_errors(self, exc: ValidationError) -> None:
         if not hasattr(exc, "error_dict"):

@@ -141,6 +141,9 @@ class ConfigField:
     secret: bool = False
     help: str = ""
     kind: type = str
+    # Part of where the secrets are sent (host, port, user, ...): a change to it needs the
+    # secrets entered again, so a stored secret never follows an edit to another server.
+    destination: bool = False
 
 
 class Connector:

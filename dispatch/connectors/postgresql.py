@@ -132,12 +132,43 @@ def _secrets(config: dict[str, Any]) -> list[str]:
     return values
 
 
+# The fields a URL replaces: a config has either a URL or these, never both (a URL to one
+# server with a host field to another would send the URL's password to the host).
+URL_EXCLUSIVE = ("host", "port", "dbname", "user", "password", "sslmode")
+AUTH_METHODS = {"password", "md5", "gss", "sspi", "scram-sha-256", "oauth", "none"}
+# libpq learned require_auth in version 16.
+REQUIRE_AUTH_LIBPQ = 160000
+
+
+def _has_password(config: dict[str, Any]) -> bool:
+    if config.get("password"):
+        return True
+    if config.get("url"):
+        with contextlib.suppress(Exception):
+            return bool(conninfo_to_dict(config["url"]).get("password"))
+    return False
+
+
+def _require_auth(config: dict[str, Any]) -> str | None:
+    """The require_auth to connect with: the configured one, or `!password` (the password
+    never goes out in clear text) when a password is configured; None where libpq is too
+    old to know the option."""
+    if psycopg.pq.version() < REQUIRE_AUTH_LIBPQ:
+        return None
+    if config.get("require_auth"):
+        return str(config["require_auth"])
+    return "!password" if _has_password(config) else None
+
+
 def _conninfo(config: dict[str, Any]) -> str:
     params = {
         k: config[k]
         for k in ("host", "port", "dbname", "user", "password", "sslmode")
         if config.get(k) not in (None, "")
     }
+    require_auth = _require_auth(config)
+    if require_auth:
+        params["require_auth"] = require_auth
     return make_conninfo(
         config.get("url") or "",
         connect_timeout=CONNECT_TIMEOUT_SECONDS,
@@ -182,13 +213,28 @@ class PostgreSQLConnector(Connector):
     label = "PostgreSQL"
     roles = frozenset({"source", "sink"})
     config_fields = (
-        ConfigField("host", help="Host name or address (or use url)."),
-        ConfigField("port", kind=int, help="Port, default 5432."),
-        ConfigField("dbname", help="Database name."),
-        ConfigField("user", help="Role to connect as."),
+        ConfigField("host", destination=True, help="Host name or address (or use url)."),
+        ConfigField("port", kind=int, destination=True, help="Port, default 5432."),
+        ConfigField("dbname", destination=True, help="Database name."),
+        ConfigField("user", destination=True, help="Role to connect as."),
         ConfigField("password", secret=True, help="The role's password."),
-        ConfigField("sslmode", help="disable, allow, prefer, require, verify-ca or verify-full."),
-        ConfigField("url", secret=True, help="postgresql://user:password@host:port/dbname"),
+        ConfigField(
+            "sslmode",
+            destination=True,
+            help="disable, allow, prefer, require, verify-ca or verify-full.",
+        ),
+        ConfigField(
+            "require_auth",
+            destination=True,
+            help="Authentication methods the connection accepts (libpq's require_auth), "
+            "e.g. scram-sha-256. Default with a password: !password (never sent in clear).",
+        ),
+        ConfigField(
+            "url",
+            secret=True,
+            help="postgresql://user:password@host:port/dbname — instead of the fields above, "
+            "never together with them.",
+        ),
     )
     SOURCE_FIELDS = {"table", "query", "statement_timeout_seconds", "lock_timeout_seconds"}
     SINK_FIELDS = {
@@ -222,6 +268,22 @@ class PostgreSQLConnector(Connector):
             errors["port"] = ["must be between 1 and 65535"]
         if config.get("sslmode") and config["sslmode"] not in SSLMODES:
             errors["sslmode"] = [f"must be one of {', '.join(SSLMODES)}"]
+        if config.get("url"):
+            mixed = [k for k in URL_EXCLUSIVE if config.get(k) not in (None, "")]
+            if mixed:
+                errors.setdefault("url", []).append(
+                    f"give either url or the separate fields, not both ({', '.join(mixed)} "
+                    "set as well)"
+                )
+        if config.get("require_auth"):
+            methods = [m.strip() for m in str(config["require_auth"]).split(",")]
+            negated = {m.startswith("!") for m in methods}
+            names = {m.lstrip("!") for m in methods}
+            if len(negated) != 1 or not names <= AUTH_METHODS:
+                errors["require_auth"] = [
+                    f"must be a comma-separated list of {', '.join(sorted(AUTH_METHODS))}, "
+                    "all or none of them negated with !"
+                ]
         if errors:
             raise ValidationError(errors)
         return config
