@@ -409,6 +409,10 @@ class Run(models.Model):
                 name="dispatch_run_finished_idx",
                 condition=Q(finished_at__isnull=False),
             ),
+            # The run list unfiltered (or by a filter without an index of its own): newest
+            # first, read in index order, never sorted (docs/console.md, "At scale").
+            models.Index(fields=["-created_at"], name="dispatch_run_created_idx"),
+            models.Index(fields=["trigger", "-created_at"], name="dispatch_run_trigger_idx"),
         ]
 
     def __str__(self) -> str:
@@ -531,6 +535,27 @@ class Attempt(models.Model):
             ),
             # The admin's attempt list and the overview's failures in the last 24 h.
             models.Index(fields=["status", "-created_at"], name="dispatch_attempt_status_idx"),
+            # The attempt list unfiltered, newest first; the overview's failures of the
+            # last 24 h (docs/console.md, "At scale").
+            models.Index(fields=["-created_at"], name="dispatch_attempt_created_idx"),
+            models.Index(
+                fields=["finished_at"],
+                name="dispatch_attempt_finished_idx",
+                condition=Q(finished_at__isnull=False),
+            ),
+            # The attempt list's filters, each read newest first (the partial ones hold
+            # only the rows that carry a reason).
+            models.Index(fields=["origin", "-created_at"], name="dispatch_attempt_origin_idx"),
+            models.Index(
+                fields=["reason", "-created_at"],
+                name="dispatch_attempt_reason_idx",
+                condition=Q(reason__isnull=False),
+            ),
+            models.Index(
+                fields=["blocked_reason", "-created_at"],
+                name="dispatch_attempt_blocked_idx",
+                condition=Q(blocked_reason__isnull=False),
+            ),
         ]
 
     def __str__(self) -> str:
