@@ -10,7 +10,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from django.core.management import call_command
-from django.core.management.base import SystemCheckError
+from django.core.management.base import CommandError, SystemCheckError
 from django.db import connection
 from django.test import override_settings
 from psycopg import sql
@@ -90,3 +90,33 @@ def test_worker_on_an_unmigrated_database_exits_naming_migrate(empty_database_ur
     assert "dispatch.E013" in proc.stderr
     assert "manage.py migrate" in proc.stderr
     assert "retrying" not in proc.stderr  # no retry loop on a missing table
+
+
+@pytest.mark.django_db
+def test_trigger_wait_says_when_no_worker_is_live():
+    import io
+
+    from dispatch.models import Worker
+    from tests.factories import BindingFactory
+
+    binding = BindingFactory()
+    # A worker that stopped, and one that stopped heartbeating long ago: neither is live.
+    Worker.objects.create(
+        id="gone", host="h", pid=1, concurrency=1, stopped_at="2026-01-01T00:00:00+00:00"
+    )
+    stale = Worker.objects.create(id="stale", host="h", pid=2, concurrency=1)
+    Worker.objects.filter(pk=stale.pk).update(heartbeat_at="2026-01-01T00:00:00+00:00")
+    err = io.StringIO()
+    with pytest.raises(CommandError, match="still PENDING"):
+        call_command(
+            "trigger", binding.name, "--wait", "--timeout", "0.3", stdout=io.StringIO(), stderr=err
+        )
+    assert "No live worker" in err.getvalue() and "runworker" in err.getvalue()
+
+    Worker.objects.create(id="live", host="h", pid=3, concurrency=1)  # heartbeat now
+    err = io.StringIO()
+    with pytest.raises(CommandError, match="still PENDING"):
+        call_command(
+            "trigger", binding.name, "--wait", "--timeout", "0.3", stdout=io.StringIO(), stderr=err
+        )
+    assert "No live worker" not in err.getvalue()
