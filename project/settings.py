@@ -152,6 +152,12 @@ DISPATCH_CONNECTORS = env.list("DISPATCH_CONNECTORS", default=[])
 # Directories csv datasources may use as base_dir (comma-separated); empty: any directory
 # but / and the system directories (docs/security.md).
 DISPATCH_CSV_BASE_DIRS = env.list("DISPATCH_CSV_BASE_DIRS", default=[])
+# Hosts database datasources may connect to (comma-separated): * (any TCP host),
+# names, *.domain, addresses, networks (10.0.0.0/8), socket directories (/run/postgresql).
+# Default *: any TCP host, no Unix sockets (docs/security.md).
+DISPATCH_DATASOURCE_HOSTS = env.list("DISPATCH_DATASOURCE_HOSTS", default=["*"])
+# The site's own database as a datasource: refused unless true.
+DISPATCH_ALLOW_SITE_DATABASE = env.bool("DISPATCH_ALLOW_SITE_DATABASE", default=False)
 
 LOG_LEVEL = env.str("LOG_LEVEL", default="INFO")
 LOGGING = {

@@ -209,6 +209,7 @@ def test_postgresql_table_names__quotes_and_extra_dots_refused(table: str, expec
 
 
 @pytest.mark.django_db(transaction=True)
+@override_settings(DISPATCH_ALLOW_SITE_DATABASE=True)  # the sink is this database
 def test_postgresql_sink__semicolons_are_part_of_a_quoted_name(tmp_path: Path) -> None:
     """A name with a semicolon is an identifier, never SQL: the run creates a table with
     exactly that name and the dispatch tables are untouched."""

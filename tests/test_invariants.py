@@ -14,6 +14,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
+from django.test import override_settings
 
 from dispatch import claims, invariants
 from dispatch.invariants import Scope
@@ -232,6 +233,7 @@ def _pg_sink_run(mode: str = "append") -> Run:
     return run
 
 
+@override_settings(DISPATCH_ALLOW_SITE_DATABASE=True)  # the sink is this database
 def test_check__pg_sink_consistent_then_duplicated_rows() -> None:
     run = _pg_sink_run()
     report = invariants.check(scope_of(run))
@@ -244,6 +246,7 @@ def test_check__pg_sink_consistent_then_duplicated_rows() -> None:
     assert "multiplicities {1: 2, 2: 1}" in report.render()
 
 
+@override_settings(DISPATCH_ALLOW_SITE_DATABASE=True)  # the sink is this database
 def test_check__pg_sink_lost_rows() -> None:
     run = _pg_sink_run()
     with connection.cursor() as cursor:
@@ -251,6 +254,7 @@ def test_check__pg_sink_lost_rows() -> None:
     assert checks_failing(invariants.check(scope_of(run))) == {"sink_rows"}
 
 
+@override_settings(DISPATCH_ALLOW_SITE_DATABASE=True)  # the sink is this database
 def test_check__pg_sink_fence_uncommitted_or_naming_another_attempt() -> None:
     run = _pg_sink_run()
     with connection.cursor() as cursor:
@@ -264,6 +268,7 @@ def test_check__pg_sink_fence_uncommitted_or_naming_another_attempt() -> None:
     assert "SUCCEEDED but its fence is not committed" in report.render()
 
 
+@override_settings(DISPATCH_ALLOW_SITE_DATABASE=True)  # the sink is this database
 def test_check__pg_sink_committed_by_a_later_attempt_than_the_succeeded_one() -> None:
     run = _pg_sink_run()
     first = Attempt.objects.get(run=run)

@@ -87,3 +87,19 @@ def test_sink__wrong_password_fails_permanently_and_no_secret_is_kept(
         assert secret not in error
         assert secret not in caplog.text
     assert attempts[0].sink_snapshot is None  # erased with the outcome
+
+
+def test_connect__never_uses_the_workers_own_passfile(
+    server: EmbeddedPostgres, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dispatch.connectors.base import PermanentError
+    from dispatch.connectors.postgresql import connect
+
+    passfile = tmp_path / "pgpass"
+    passfile.write_text(f"127.0.0.1:{server.port}:*:postgres:{RIGHT}\n")
+    passfile.chmod(0o600)
+    monkeypatch.setenv("PGPASSFILE", str(passfile))
+    config = {"host": "127.0.0.1", "port": server.port, "dbname": "sink", "user": "postgres"}
+    with pytest.raises(PermanentError, match="password"):
+        connect(config)
+    connect({**config, "password": RIGHT}).close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import select
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from django.core.exceptions import ValidationError
 from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from dispatch import limits
+from dispatch import limits, targets
 from dispatch.connectors.base import (
     Batch,
     Column,
@@ -58,6 +59,7 @@ _PERMANENT_CODES = {"25006", "21000", "42P10"}  # read-only txn, cardinality, no
 # would meet the same refusal.
 _PERMANENT_CONNECT = re.compile(
     r"password authentication failed|authentication failed|no pg_hba\.conf entry|"
+    r"no password supplied|"
     r"database \"[^\"]*\" does not exist|role \"[^\"]*\" does not exist|"
     r"invalid sslmode|certificate verify failed|server does not support SSL|"
     r"invalid connection option|invalid URI|missing \"=\"",
@@ -169,18 +171,85 @@ def _conninfo(config: dict[str, Any]) -> str:
     require_auth = _require_auth(config)
     if require_auth:
         params["require_auth"] = require_auth
+    if psycopg.pq.version() >= REQUIRE_AUTH_LIBPQ:
+        # The worker's own client certificate is never offered to a datasource's server.
+        params["sslcertmode"] = "disable"
     return make_conninfo(
         config.get("url") or "",
         connect_timeout=CONNECT_TIMEOUT_SECONDS,
         application_name="dispatch",
+        # Never the worker's ~/.pgpass: a datasource gets only the password it was given.
+        # (a path that cannot exist: libpq skips a missing file silently).
+        passfile=NO_PASSFILE,
         **params,
     )
 
 
+NO_PASSFILE = os.path.join(os.devnull, "no-passfile")
+
+
+def _target_params(config: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    if config.get("url"):
+        try:
+            return dict(conninfo_to_dict(str(config["url"]))), True
+        except psycopg.ProgrammingError:
+            return {}, True
+    return {k: v for k, v in config.items() if v not in (None, "")}, False
+
+
+def _same_as_site_settings(params: dict[str, Any]) -> bool:
+    """The static half of the site-database check: the same dbname, port and (loopback
+    or literal) host as the site's own DATABASES entry."""
+    from django.db import connection as site
+
+    s = site.settings_dict
+    loopback = {"", "localhost", "127.0.0.1", "::1"}
+
+    def host(value: Any) -> str:
+        text = str(value or "").lower()
+        return "localhost" if text in loopback else text
+
+    return (
+        str(params.get("dbname") or "") == str(s.get("NAME") or "")
+        and str(params.get("port") or 5432) == str(s.get("PORT") or 5432)
+        and host(params.get("host")) == host(s.get("HOST"))
+    )
+
+
+def policy_errors(config: dict[str, Any]) -> list[str]:
+    params, from_url = _target_params(config)
+    problems = targets.conninfo_refusals(params, from_url=from_url)
+    if not targets.site_database_allowed() and _same_as_site_settings(params):
+        problems.append(SITE_DATABASE_REFUSED)
+    return problems
+
+
+SITE_DATABASE_REFUSED = (
+    "this is the site's own database; a datasource may not read or write it "
+    "(DISPATCH_ALLOW_SITE_DATABASE)"
+)
+
+
 def connect(config: dict[str, Any], *, what: str = "connect") -> psycopg.Connection[Any]:
     secrets = _secrets(config)
+    problems = policy_errors(config)
+    if problems:
+        raise PermanentError(f"{what}: refused by the site's target policy: {'; '.join(problems)}")
     with _errors(secrets, what):
-        return psycopg.connect(_conninfo(config))
+        conn = psycopg.connect(_conninfo(config))
+    if not targets.site_database_allowed():
+        try:
+            with _errors(secrets, what):
+                row = conn.execute(targets.SITE_FINGERPRINT_SQL).fetchone()
+                conn.rollback()
+            if row is not None and tuple(str(v) for v in row) == targets.site_fingerprint():
+                raise PermanentError(
+                    f"{what}: refused by the site's target policy: {SITE_DATABASE_REFUSED}"
+                )
+        except BaseException:
+            conn.close()
+            raise
+    return conn
 
 
 def _set_timeouts(conn: psycopg.Connection[Any], spec: dict[str, Any]) -> None:
@@ -275,6 +344,10 @@ class PostgreSQLConnector(Connector):
                     f"give either url or the separate fields, not both ({', '.join(mixed)} "
                     "set as well)"
                 )
+        if not errors:
+            problems = policy_errors(config)
+            if problems:
+                errors["url" if config.get("url") else "host"] = problems
         if config.get("require_auth"):
             methods = [m.strip() for m in str(config["require_auth"]).split(",")]
             negated = {m.startswith("!") for m in methods}
