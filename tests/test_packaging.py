@@ -55,18 +55,32 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _setuptools_builds() -> bool:
+    try:
+        from importlib.metadata import version
+
+        return int(version("setuptools").split(".")[0]) >= 77
+    except Exception:  # noqa: BLE001 - not installed
+        return False
+
+
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("checkout") / "src"
     shutil.copytree(ROOT, src, ignore=SKIP_COPY)
     out = tmp_path_factory.mktemp("wheel")
+    # Without build isolation (no download) when this environment's setuptools can build
+    # it (the dev extra pins one that can); otherwise pip fetches the build backend.
+    isolation = [] if _setuptools_builds() else ["--use-pep517"]
+    no_isolation = ["--no-build-isolation"] if not isolation else []
     run(
         [
             sys.executable,
             "-m",
             "pip",
             "wheel",
-            "--no-build-isolation",
+            *no_isolation,
+            *isolation,
             "--no-deps",
             "-q",
             "-w",
@@ -75,6 +89,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ],
         cwd=src,
         env=clean_env(),
+        timeout=300,
     )
     (built,) = out.glob("django_dispatch_sync-*.whl")
     return built
