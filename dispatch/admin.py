@@ -38,7 +38,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.safestring import SafeString
 from django.views.decorators.debug import sensitive_post_parameters
 
-from dispatch import services
+from dispatch import services, sqlperm
 from dispatch.admin_views import (
     ORIGIN_LABEL,
     ActionRefused,
@@ -513,6 +513,17 @@ class JobAdmin(ConsoleAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
         return super().get_queryset(request).annotate(binding_count=Count("bindings"))
 
+    # Source queries need a permission of their own (dispatch.sqlperm).
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> Any:
+        form = super().get_form(request, obj, change=change, **kwargs)
+        return sqlperm.job_form(form, request)
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        sqlperm.guard_job_save(request, obj, change)
+        super().save_model(request, obj, form, change)
+
     @admin.display(description="bindings", ordering="binding_count")
     def binding_count(self, obj: Job) -> int:
         return int(getattr(obj, "binding_count", 0))
@@ -542,6 +553,16 @@ class JobBindingAdmin(ConsoleAdmin):
     ]
     object_actions = (TRIGGER,)
     has_trigger_permission = _perm("trigger_binding")
+
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> Any:
+        form = super().get_form(request, obj, change=change, **kwargs)
+        return sqlperm.binding_form(form, request)
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        sqlperm.guard_binding_save(request, obj, change)
+        super().save_model(request, obj, form, change)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[JobBinding]:
         latest = Run.objects.filter(binding=OuterRef("pk")).order_by("-created_at")

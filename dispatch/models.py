@@ -222,6 +222,9 @@ class Job(models.Model):
 
     class Meta:
         ordering = ["name"]
+        permissions = [
+            ("write_source_query", "Can write SQL queries that sources run (query specs)")
+        ]
         constraints = [
             models.CheckConstraint(
                 condition=Q(lease_seconds__gte=2), name="dispatch_job_lease_min"
