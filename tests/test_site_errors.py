@@ -120,3 +120,20 @@ def test_trigger_wait_says_when_no_worker_is_live():
             "trigger", binding.name, "--wait", "--timeout", "0.3", stdout=io.StringIO(), stderr=err
         )
     assert "No live worker" not in err.getvalue()
+
+
+def test_a_bad_connector_path_at_run_time_is_a_configuration_error_naming_it():
+    from django.core.exceptions import ImproperlyConfigured
+
+    from dispatch.connectors import registry
+
+    with (
+        override_settings(DISPATCH_CONNECTORS=["mysite.connectors.Missing"]),
+        pytest.raises(ImproperlyConfigured, match=r"mysite\.connectors\.Missing.*dispatch\.E012"),
+    ):
+        registry.kinds()
+    with (
+        override_settings(DISPATCH_CONNECTORS=["dispatch.models.Run"]),
+        pytest.raises(ImproperlyConfigured, match="not a dispatch Connector"),
+    ):
+        registry.kinds()

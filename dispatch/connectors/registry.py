@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from dispatch import conf
@@ -25,9 +26,19 @@ class UnknownKind(LookupError):
 def _load(paths: tuple[str, ...]) -> dict[str, type[Connector]]:
     kinds: dict[str, type[Connector]] = {}
     for path in paths:
-        cls = import_string(path)
+        # A bad entry is a configuration error named as such (system check dispatch.E012
+        # reports it before a worker or `check` starts).
+        try:
+            cls = import_string(path)
+        except ImportError as exc:
+            raise ImproperlyConfigured(
+                f"DISPATCH_CONNECTORS entry {path!r} cannot be imported: {exc} (dispatch.E012)"
+            ) from None
         if not (isinstance(cls, type) and issubclass(cls, Connector)):
-            raise TypeError(f"{path} is not a dispatch Connector subclass")
+            raise ImproperlyConfigured(
+                f"DISPATCH_CONNECTORS entry {path!r} is not a dispatch Connector subclass "
+                "(dispatch.E012)"
+            )
         kinds[cls.kind] = cls
     return kinds
 
