@@ -54,3 +54,19 @@ def csv_base_dirs() -> list[str]:
     if isinstance(dirs, str):
         dirs = dirs.split(",")
     return [d.strip() for d in dirs if d.strip()]
+
+
+def listen_url() -> str:
+    """Where LISTEN connections go (direct to PostgreSQL, never a transaction pooler);
+    empty: the default database's settings."""
+    return str(getattr(settings, "DISPATCH_LISTEN_URL", "") or "")
+
+
+def listen_probe_interval() -> float:
+    """Seconds of silence on the LISTEN connection after which a worker probes it."""
+    return float(getattr(settings, "DISPATCH_LISTEN_PROBE_INTERVAL", 30.0))
+
+
+def listen_probe_timeout() -> float:
+    """Seconds a probe may take to come back before the LISTEN connection is reported."""
+    return float(getattr(settings, "DISPATCH_LISTEN_PROBE_TIMEOUT", 5.0))

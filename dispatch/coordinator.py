@@ -39,7 +39,7 @@ from django.db import ProgrammingError as DjangoProgrammingError
 from django.db import connection
 from psycopg import sql
 
-from dispatch import claims, conf, services
+from dispatch import claims, conf, listen, services
 from dispatch.claims import ClaimedAttempt
 from dispatch.runner import ExecutionControl, Runner, StopCause
 from dispatch.sqlfiles import query
@@ -113,6 +113,11 @@ class WorkerDispatchCoordinator:
         self._listen: psycopg.Connection[Any] | None = None
         self._listen_retry_at = 0.0
         self._listen_backoff = 0.5
+        self.probe = listen.ListenProbe(
+            self.worker_id,
+            interval=conf.listen_probe_interval(),
+            timeout=conf.listen_probe_timeout(),
+        )
         self._db_backoff_until = 0.0
         self._db_backoff = 0.5
         now = time.monotonic()
@@ -251,9 +256,10 @@ class WorkerDispatchCoordinator:
     def _shutdown(self) -> None:
         self._stop_threads.set()
         self._heartbeat_now.set()
-        self._close_listen()
         with self._lock:
             stats = dict(self.stats)
+        stats.update(self.probe.stats())  # the LISTEN state as it was while running
+        self._close_listen()
         try:
             with connection.cursor() as cursor:
                 cursor.execute(
@@ -281,6 +287,7 @@ class WorkerDispatchCoordinator:
         try:
             if not self.stopping:
                 self._admit(notifications, report, now)
+            self._tick_probe(now)
             if now >= self._next_recovery:
                 report.recovered = self._recover()
                 self._next_recovery = time.monotonic() + self.recovery_interval
@@ -444,14 +451,13 @@ class WorkerDispatchCoordinator:
 
     # --- notifications ----------------------------------------------------------------------
     def _listen_connect(self) -> None:
-        params = dict(connection.get_connection_params())
-        params.pop("cursor_factory", None)
-        params.pop("context", None)
-        params.pop("prepare_threshold", None)
-        params.pop("server_side_binding", None)
-        params["application_name"] = f"dispatch-listen {self.worker_id}"[:63]
-        conn = psycopg.connect(autocommit=True, **params)
-        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(conf.channel())))
+        conn = listen.connect(f"dispatch-listen {self.worker_id}")
+        try:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(conf.channel())))
+            self.probe.connected(conn)
+        except BaseException:
+            conn.close()
+            raise
         self._listen = conn
         self._listen_backoff = 0.5
         self._refill = True  # once listening again, one generic pass
@@ -462,9 +468,29 @@ class WorkerDispatchCoordinator:
             with contextlib.suppress(Exception):
                 self._listen.close()
             self._listen = None
+        self.probe.disconnected()
+
+    def _tick_probe(self, now: float) -> None:
+        """The LISTEN self-probe: a missed probe reconnects (or, behind a transaction
+        pooler, stops listening for good); polling goes on either way."""
+        if self._listen is None:
+            return
+        action = self.probe.tick(now, self.poll_interval)
+        if action is listen.ProbeAction.NONE:
+            return
+        self._count("listen_probe_failures")
+        if action is listen.ProbeAction.STOP_LISTENING:
+            with contextlib.suppress(Exception):
+                self._listen.execute("UNLISTEN *")  # best effort: the pooler keeps it
+        self._close_listen()
+        self._listen_retry_at = now + self._listen_backoff
+        self._listen_backoff = min(self._listen_backoff * 2, RECONNECT_MAX_SECONDS)
+        self._refill = True
 
     def _read_notifications(self) -> list[uuid.UUID]:
         if self._listen is None:
+            if self.probe.state is listen.ListenState.POOLED:
+                return []  # polling only: the LISTEN URL is a transaction pooler
             if time.monotonic() < self._listen_retry_at:
                 return []
             try:
@@ -478,6 +504,10 @@ class WorkerDispatchCoordinator:
         try:
             pgconn.consume_input()
             while (n := pgconn.notifies()) is not None:
+                if n.relname.decode("utf-8", "replace") == self.probe.channel:
+                    self.probe.received(n.extra.decode("utf-8", "replace"))
+                    continue
+                self.probe.traffic()
                 self._count("notifications")
                 try:
                     run_ids.append(uuid.UUID(n.extra.decode("utf-8", "replace").strip()))
@@ -514,7 +544,10 @@ class WorkerDispatchCoordinator:
         elif self._drain_deadline is not None:
             deadlines.append(self._drain_deadline)
         if self._listen is None:
-            deadlines.append(self._listen_retry_at)
+            if self.probe.state is not listen.ListenState.POOLED:
+                deadlines.append(self._listen_retry_at)
+        elif (probe_at := self.probe.next_deadline()) is not None:
+            deadlines.append(probe_at)
         if self._db_backoff_until > now:
             deadlines.append(self._db_backoff_until)
         return max(0.0, min(deadlines) - now)
@@ -595,6 +628,7 @@ class WorkerDispatchCoordinator:
         with self._lock:
             held = [e for e in self.executions.values() if not e.done.is_set()]
             stats = dict(self.stats)
+        stats.update(self.probe.stats())
         sent_at = time.monotonic()
         beats = claims.heartbeat(
             self.worker_id,

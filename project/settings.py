@@ -149,6 +149,19 @@ DISPATCH_SHUTDOWN_GRACE_SECONDS = _float("DISPATCH_SHUTDOWN_GRACE_SECONDS", 10.0
 DISPATCH_MISFIRE_GRACE_SECONDS = _float("DISPATCH_MISFIRE_GRACE_SECONDS", 60.0)
 DISPATCH_SCHEDULE_CHANNEL = env.str("DISPATCH_SCHEDULE_CHANNEL", default="dispatch_schedules")
 DISPATCH_CONNECTORS = env.list("DISPATCH_CONNECTORS", default=[])
+# LISTEN connections direct to PostgreSQL when DATABASE_URL goes through a
+# transaction-pooling proxy (docs/deployment.md); unset: the DATABASE_URL server.
+DISPATCH_LISTEN_URL = env.str("DISPATCH_LISTEN_URL", default="")
+if DISPATCH_LISTEN_URL:
+    if not DISPATCH_LISTEN_URL.startswith(("postgres://", "postgresql://")):
+        raise ImproperlyConfigured(
+            "DISPATCH_LISTEN_URL must be a postgres:// URL of the PostgreSQL server itself."
+        )
+    # The working connections may be pooled per transaction: Django's server-side cursors
+    # (WITH HOLD in autocommit) would outlive their transaction there.
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
+DISPATCH_LISTEN_PROBE_INTERVAL = _float("DISPATCH_LISTEN_PROBE_INTERVAL", 30.0)
+DISPATCH_LISTEN_PROBE_TIMEOUT = _float("DISPATCH_LISTEN_PROBE_TIMEOUT", 5.0)
 # Directories csv datasources may use as base_dir (comma-separated); empty: any directory
 # but / and the system directories (docs/security.md).
 DISPATCH_CSV_BASE_DIRS = env.list("DISPATCH_CSV_BASE_DIRS", default=[])

@@ -38,6 +38,7 @@ from django.db import Error as DjangoDBError
 from django.db import connection, transaction
 from psycopg import sql
 
+from dispatch import listen as dispatch_listen
 from dispatch import services
 from dispatch import sqlfiles as dispatch_sqlfiles
 from dispatch.models import JobBinding, Run
@@ -424,11 +425,7 @@ class _Listener:
         if self.conn is not None or time.monotonic() < self.retry_at:
             return
         try:
-            params = dict(connection.get_connection_params())
-            for key in ("cursor_factory", "context", "prepare_threshold", "server_side_binding"):
-                params.pop(key, None)
-            params["application_name"] = "dispatch-schedules-listen"
-            conn = psycopg.connect(autocommit=True, **params)
+            conn = dispatch_listen.connect("dispatch-schedules-listen")
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(conf.schedule_channel())))
             self.conn = conn
             self.backoff = 0.5

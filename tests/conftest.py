@@ -66,12 +66,15 @@ class Processes:
     def __init__(self, tmp_path: Path) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.tmp_path = tmp_path
+        # Applied over every process's environment (e.g. the working connections through
+        # PgBouncer: tests/test_pgbouncer.py).
+        self.env_overrides: dict[str, str] = {}
 
     def manage(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(self.tmp_path / f"proc-{len(self.procs)}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(
             [sys.executable, str(ROOT / "manage.py"), *args],
-            env=env or worker_env(),
+            env={**(env or worker_env()), **self.env_overrides},
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -1,0 +1,236 @@
+"""The LISTEN connection and its self-probe.
+
+Working connections (claims, settlements, heartbeats, the site) may go through a
+transaction-pooling proxy such as PgBouncer; LISTEN cannot: the proxy hands the server
+connection that ran LISTEN to other clients, and the notifications never reach the
+listener. So a LISTEN connection is opened from `DISPATCH_LISTEN_URL` (direct to
+PostgreSQL) when it is set, else from the default database's settings, and it is
+checked: the worker NOTIFYs its own probe channel through its *working* connection (the
+path a trigger's wake-up takes) and expects the notification on its LISTEN connection.
+
+`ListenProbe` is a small state machine the worker's main thread drives; it does no I/O
+of its own except the probe NOTIFY. Its counters and gauges go into the worker row's
+`stats` (all integers), which `probe_report()` reads back for the console and metrics.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from django.db import connection
+
+from dispatch import conf
+from dispatch.sqlfiles import query
+
+log = logging.getLogger("dispatch.worker")
+
+# Connection options that tune the transport, copied from the default database's
+# settings onto a LISTEN connection opened from DISPATCH_LISTEN_URL. Identity (host, port,
+# database, user, password, TLS) comes from that URL alone.
+TRANSPORT_OPTIONS = (
+    "connect_timeout",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+    "client_encoding",
+)
+
+
+def connect(application_name: str) -> psycopg.Connection[Any]:
+    """A LISTEN connection of its own, in autocommit, never shared with other work."""
+    params = dict(connection.get_connection_params())
+    for key in ("cursor_factory", "context", "prepare_threshold", "server_side_binding"):
+        params.pop(key, None)
+    params["application_name"] = application_name[:63]
+    url = conf.listen_url()
+    if url:
+        transport = {k: v for k, v in params.items() if k in TRANSPORT_OPTIONS}
+        transport["application_name"] = params["application_name"]
+        return psycopg.connect(url, autocommit=True, **transport)
+    return psycopg.connect(autocommit=True, **params)
+
+
+def through_proxy(conn: psycopg.Connection[Any]) -> bool:
+    """True if the connection ends at a proxy rather than a PostgreSQL backend: the backend
+    pid announced at connect (BackendKeyData) is not the pid of the session that answers.
+    PgBouncer announces a cancel key of its own."""
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    return row is None or int(row[0]) != conn.info.backend_pid
+
+
+def probe_channel(worker_id: str) -> str:
+    """The worker's own probe channel (short and safe whatever the worker id)."""
+    return "dispatch_probe_" + hashlib.sha256(worker_id.encode()).hexdigest()[:24]
+
+
+class ListenState(enum.Enum):
+    # Connected; the first probe since connecting has not come back yet.
+    STARTING = "starting"
+    # The last probe (or a wake-up) arrived.
+    OK = "ok"
+    # A probe did not come back on a direct connection: the worker reconnects and polls.
+    SILENT = "silent"
+    # The LISTEN URL is a transaction-pooling proxy: no LISTEN, polling only.
+    POOLED = "pooled"
+    # No LISTEN connection at the moment (reconnecting with backoff).
+    DISCONNECTED = "disconnected"
+
+
+class ProbeAction(enum.Enum):
+    NONE = "none"
+    RECONNECT = "reconnect"  # close the LISTEN connection and open a new one
+    STOP_LISTENING = "stop"  # polling only from now on
+
+
+class ListenProbe:
+    """Driven by the main thread: `connected()` after LISTEN, `received()`/`traffic()`
+    for what the LISTEN connection reads, `tick()` on every iteration."""
+
+    def __init__(self, worker_id: str, *, interval: float, timeout: float) -> None:
+        self.worker_id = worker_id
+        self.channel = probe_channel(worker_id)
+        self.interval = interval
+        self.timeout = timeout
+        self.state = ListenState.DISCONNECTED
+        self.proxy = False
+        self.sent = 0
+        self.received_count = 0
+        self.missed = 0
+        self._seq = 0
+        self._sent_at: float | None = None  # the probe in flight (monotonic)
+        self._quiet_since = time.monotonic()
+
+    # --- events -----------------------------------------------------------------------
+    def connected(self, conn: psycopg.Connection[Any]) -> None:
+        """The LISTEN connection is up: listen on the probe channel, look for a proxy, and
+        send the start-up probe at the next tick."""
+        from psycopg import sql
+
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+        self.proxy = through_proxy(conn)
+        self.state = ListenState.STARTING
+        self._sent_at = None
+        self._quiet_since = -float("inf")  # probe at once: the start-up self-check
+
+    def disconnected(self) -> None:
+        if self.state is not ListenState.POOLED:
+            self.state = ListenState.DISCONNECTED
+        self._sent_at = None
+
+    def traffic(self) -> None:
+        """A wake-up arrived on the LISTEN connection: it delivers, no probe needed now."""
+        self._quiet_since = time.monotonic()
+        if self.state in (ListenState.STARTING, ListenState.SILENT) and self._sent_at is None:
+            self.state = ListenState.OK
+
+    def received(self, payload: str) -> None:
+        if self._sent_at is None or payload != str(self._seq):
+            return  # a late answer to an earlier probe
+        self.received_count += 1
+        self._sent_at = None
+        self._quiet_since = time.monotonic()
+        if self.state is not ListenState.OK:
+            log.info(
+                "LISTEN self-probe answered worker=%s%s",
+                self.worker_id,
+                " (through a session-pooling proxy)" if self.proxy else "",
+            )
+        self.state = ListenState.OK
+
+    # --- time -------------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        if self.state in (ListenState.POOLED, ListenState.DISCONNECTED):
+            return None
+        if self._sent_at is not None:
+            return self._sent_at + self.timeout
+        return self._quiet_since + self.interval
+
+    def tick(self, now: float, poll_interval: float) -> ProbeAction:
+        """Send a probe when the connection has been quiet for `interval`; judge one that
+        has been out for `timeout`. Raises the working connection's database errors."""
+        if self.state in (ListenState.POOLED, ListenState.DISCONNECTED):
+            return ProbeAction.NONE
+        if self._sent_at is None:
+            if now - self._quiet_since >= self.interval:
+                self._send(now)
+            return ProbeAction.NONE
+        if now - self._sent_at < self.timeout:
+            return ProbeAction.NONE
+        self.missed += 1
+        self._sent_at = None
+        if self.proxy:
+            self.state = ListenState.POOLED
+            log.error(
+                "LISTEN connection goes through a transaction-pooling proxy: its "
+                "notifications never arrive (self-probe unanswered after %.1fs). Falling back "
+                "to polling every %.1fs. Point DISPATCH_LISTEN_URL at PostgreSQL itself "
+                "worker=%s",
+                self.timeout,
+                poll_interval,
+                self.worker_id,
+            )
+            return ProbeAction.STOP_LISTENING
+        self.state = ListenState.SILENT
+        log.warning(
+            "LISTEN wake-ups stopped arriving (self-probe unanswered after %.1fs); "
+            "reconnecting, polling every %.1fs meanwhile worker=%s",
+            self.timeout,
+            poll_interval,
+            self.worker_id,
+        )
+        return ProbeAction.RECONNECT
+
+    def _send(self, now: float) -> None:
+        self._seq += 1
+        with connection.cursor() as cursor:
+            cursor.execute(query("notify"), {"channel": self.channel, "payload": str(self._seq)})
+        self._sent_at = now
+        self.sent += 1
+
+    # --- reporting --------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Integers for the worker row's `stats` (see `probe_report`)."""
+        return {
+            "listen_probes_sent": self.sent,
+            "listen_probes_received": self.received_count,
+            "listen_probes_missed": self.missed,
+            "listen_healthy": int(self.state is ListenState.OK),
+            "listen_polling_only": int(self.state is ListenState.POOLED),
+            "listen_state": list(ListenState).index(self.state),
+        }
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    state: str  # a ListenState value, or "unknown" for a worker that reports none
+    healthy: bool
+    polling_only: bool
+    sent: int
+    received: int
+    missed: int
+
+
+def probe_report(stats: dict[str, Any] | None) -> ProbeReport:
+    """What a worker row's `stats` say about its LISTEN connection (console, metrics)."""
+    stats = stats or {}
+    index = stats.get("listen_state")
+    states = list(ListenState)
+    state = (
+        states[index].value if isinstance(index, int) and 0 <= index < len(states) else "unknown"
+    )
+    return ProbeReport(
+        state=state,
+        healthy=bool(stats.get("listen_healthy", 0)),
+        polling_only=bool(stats.get("listen_polling_only", 0)),
+        sent=int(stats.get("listen_probes_sent", 0)),
+        received=int(stats.get("listen_probes_received", 0)),
+        missed=int(stats.get("listen_probes_missed", 0)),
+    )

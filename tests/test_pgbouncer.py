@@ -1,0 +1,162 @@
+"""Workers behind a real PgBouncer in transaction-pooling mode: their working connections
+(claims, settlements, heartbeats, recovery) go through it, their LISTEN connection goes
+direct (DISPATCH_LISTEN_URL). The worker tests' own bodies run unchanged; the processes
+get the pooled DATABASE_URL from their environment.
+
+Runs whenever pgbouncer is installed (/usr/sbin/pgbouncer, `.ci/run` installs it);
+skipped with a loud reason otherwise, and failed when the CI variable is set.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from dispatch.listen import probe_report
+from dispatch.models import Attempt, Worker
+from dispatch.states import Status
+from tests import test_fencing, test_worker
+from tests.conftest import Processes, test_database_url, wait_until
+from tests.factories import BindingFactory, trigger
+from tests.pgbouncer import PgBouncer, find
+from tests.test_fencing import dst_db  # noqa: F401 - fixture
+from tests.test_worker import finished, start_worker
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def pgbouncer(
+    django_db_setup: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PgBouncer]:
+    if find() is None:
+        message = (
+            "NO PGBOUNCER FOUND: the transaction-pooling tests did not run "
+            "(install it with `apt-get install -y pgbouncer`)"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(message + "; CI must run them")
+        pytest.skip(message)
+    s = connection.settings_dict
+    bouncer = PgBouncer(
+        tmp_path_factory.mktemp("pgbouncer"),
+        server_host=s["HOST"] or "127.0.0.1",
+        server_port=int(s["PORT"] or 5432),
+        pool_size=4,
+    )
+    bouncer.start()
+    yield bouncer
+    bouncer.stop()
+
+
+def pooled_url(bouncer: PgBouncer) -> str:
+    return bouncer.url(str(connection.settings_dict["NAME"]))
+
+
+@pytest.fixture
+def processes(tmp_path: Path, pgbouncer: PgBouncer) -> Iterator[Processes]:
+    """Every process: working connections through PgBouncer, LISTEN direct."""
+    procs = Processes(tmp_path)
+    procs.env_overrides = {
+        "DATABASE_URL": pooled_url(pgbouncer),
+        "DISPATCH_LISTEN_URL": test_database_url(),
+        "DISPATCH_LISTEN_PROBE_TIMEOUT": "5",
+    }
+    logins_before = pgbouncer.logins(str(connection.settings_dict["NAME"]))
+    try:
+        yield procs
+    finally:
+        procs.stop_all()
+    # The workers' working connections really went through the pooler.
+    assert pgbouncer.logins(str(connection.settings_dict["NAME"])) > logins_before
+
+
+def test_pooled__a_notified_run_is_claimed_by_the_directed_path(processes: Processes) -> None:
+    test_worker.test_worker__a_notified_run_is_claimed_by_the_directed_path(processes)
+    report = probe_report(Worker.objects.get(pk="w-directed").stats)
+    assert report.state == "ok" and report.received >= 1 and report.missed == 0
+
+
+def test_pooled__kill_9_mid_run_is_retried_by_another_worker(processes: Processes) -> None:
+    # Recovery (lease expiry) through the pooler, then the successor's claim.
+    test_worker.test_worker__kill_9_mid_run_is_retried_by_another_worker(processes)
+
+
+def test_pooled__sigterm_drains_releases_and_another_worker_takes_over(
+    processes: Processes,
+) -> None:
+    test_worker.test_worker__sigterm_drains_releases_and_another_worker_takes_over_at_once(
+        processes
+    )
+
+
+def test_pooled__exactly_once_when_killed_between_sink_commit_and_outcome(
+    dst_db: test_fencing.ScratchDB,  # noqa: F811 - the fixture imported above
+    processes: Processes,
+) -> None:
+    test_fencing.test_exactly_once__worker_killed_between_sink_commit_and_outcome(dst_db, processes)
+
+
+def test_listen_url_at_the_pooler__reported_and_runs_complete_by_polling(
+    processes: Processes, pgbouncer: PgBouncer
+) -> None:
+    processes.env_overrides.update(
+        DISPATCH_LISTEN_URL=pooled_url(pgbouncer), DISPATCH_LISTEN_PROBE_TIMEOUT="1"
+    )
+    proc = start_worker(processes, "--poll-interval", "0.5", "--worker-id", "w-misrouted")
+    wait_until(
+        lambda: "transaction-pooling proxy" in processes.output(proc),
+        message="the worker reporting its LISTEN URL",
+    )
+    assert "falling back to polling" in processes.output(proc).lower()
+    runs = [trigger(BindingFactory()) for _ in range(3)]
+    for run in runs:
+        finished(run)
+    assert {a.worker_id for a in Attempt.objects.filter(run__in=runs)} == {"w-misrouted"}
+    assert set(Attempt.objects.filter(run__in=runs).values_list("status", flat=True)) == {
+        Status.SUCCEEDED
+    }
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    stats = Worker.objects.get(pk="w-misrouted").stats
+    report = probe_report(stats)
+    assert (report.state, report.polling_only, report.missed) == ("pooled", True, 1)
+    assert stats.get("directed_hits", 0) == 0  # no wake-up ever reached it
+    assert processes.output(proc).count("transaction-pooling proxy") == 1  # said once
+
+
+def _backends(application_name: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name = %s AND pid <> pg_backend_pid()",
+            [application_name],
+        )
+        return int(cursor.fetchone()[0])
+
+
+def test_connection_budget__direct_worker_listen_main_heartbeat_and_one_per_busy_slot(
+    tmp_path: Path,
+) -> None:
+    """The budget of docs/deployment.md, measured: a worker with 4 slots, 3 of them busy,
+    straight to PostgreSQL holds 1 LISTEN + 1 claims/recovery + 1 heartbeat + 3 slots."""
+    direct = Processes(tmp_path)
+    try:
+        binding = BindingFactory(max_concurrency=3, job__source_spec=test_worker.slow_spec(20))
+        start_worker(direct, "--concurrency", "4", "--worker-id", "w-budget")
+        runs = [trigger(binding) for _ in range(3)]
+        wait_until(
+            lambda: Attempt.objects.filter(run__in=runs, status=Status.RUNNING).count() == 3,
+            message="three slots busy",
+        )
+        # The heartbeat thread connects on its first beat (a claim wakes it at once).
+        wait_until(lambda: _backends("dispatch") == 5, message="5 working connections")
+        assert _backends("dispatch-listen w-budget") == 1
+    finally:
+        direct.stop_all()
