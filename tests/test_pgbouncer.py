@@ -147,6 +147,8 @@ def test_connection_budget__direct_worker_listen_main_heartbeat_and_one_per_busy
     """The budget of docs/deployment.md, measured: a worker with 4 slots, 3 of them busy,
     straight to PostgreSQL holds 1 LISTEN + 1 claims/recovery + 1 heartbeat + 3 slots."""
     direct = Processes(tmp_path)
+    # Its own application name: PgBouncer's server connections carry the default one.
+    direct.env_overrides = {"DATABASE_URL": test_database_url() + "?application_name=w-budget"}
     try:
         binding = BindingFactory(max_concurrency=3, job__source_spec=test_worker.slow_spec(20))
         start_worker(direct, "--concurrency", "4", "--worker-id", "w-budget")
@@ -156,7 +158,7 @@ def test_connection_budget__direct_worker_listen_main_heartbeat_and_one_per_busy
             message="three slots busy",
         )
         # The heartbeat thread connects on its first beat (a claim wakes it at once).
-        wait_until(lambda: _backends("dispatch") == 5, message="5 working connections")
+        wait_until(lambda: _backends("w-budget") == 5, message="5 working connections")
         assert _backends("dispatch-listen w-budget") == 1
     finally:
         direct.stop_all()
