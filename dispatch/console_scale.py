@@ -13,11 +13,12 @@ from functools import cached_property
 from typing import Any
 
 from django.core.paginator import Paginator
-from django.db import connections
+from django.db import connections, transaction
 from django.db.models import QuerySet
 
 # Beyond this many rows a list says "more than 10,000": exact counts there cost a scan.
 COUNT_CAP = 10_000
+HISTORY_TABLES = frozenset({"dispatch_run", "dispatch_attempt"})
 
 
 def capped_count(queryset: QuerySet[Any], cap: int | None = None) -> int:
@@ -25,7 +26,15 @@ def capped_count(queryset: QuerySet[Any], cap: int | None = None) -> int:
     cap = COUNT_CAP if cap is None else cap
     inner = queryset.order_by().values("pk")[: cap + 1]
     sql, params = inner.query.sql_with_params()
-    with connections[queryset.db].cursor() as cursor:
+    # Joined to another history table (attempts filtered through their run's binding).
+    tables = {a.table_name for a in inner.query.alias_map.values()}
+    joined = len(tables & HISTORY_TABLES) > 1
+    with transaction.atomic(using=queryset.db), connections[queryset.db].cursor() as cursor:
+        if joined:
+            # A join filter (attempts of one binding): a hash join would read both tables
+            # whole before the LIMIT; a nested loop stops at the cap.
+            cursor.execute("SET LOCAL enable_hashjoin = off")
+            cursor.execute("SET LOCAL enable_mergejoin = off")
         cursor.execute(f"SELECT count(*) FROM ({sql}) AS capped", params)
         (n,) = cursor.fetchone()
     return int(n)
