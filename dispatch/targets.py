@@ -158,3 +158,27 @@ def site_fingerprint() -> tuple[Any, ...]:
     with connection.cursor() as cursor:
         cursor.execute(SITE_FINGERPRINT_SQL)
         return tuple(str(v) for v in cursor.fetchone())
+
+
+# Roles whose members can reach the server's files, programs or other sessions.
+PRIVILEGED_ROLES = (
+    "pg_read_server_files",
+    "pg_write_server_files",
+    "pg_execute_server_program",
+    "pg_signal_backend",
+)
+PRIVILEGED_ROLE_SQL = (
+    "SELECT current_user::text, "
+    "array_remove(ARRAY[CASE WHEN r.rolsuper THEN 'superuser' END, "
+    "CASE WHEN r.rolcreaterole THEN 'CREATEROLE' END, "
+    "CASE WHEN r.rolbypassrls THEN 'BYPASSRLS' END] || ARRAY("
+    "SELECT g FROM unnest(%s::text[]) AS g "
+    "WHERE to_regrole(g) IS NOT NULL AND pg_has_role(current_user, g::regrole, 'MEMBER')), NULL) "
+    "FROM pg_catalog.pg_roles r WHERE r.rolname = current_user"
+)
+
+
+def query_sources_least_privilege() -> bool:
+    """Refuse `query` sources whose role is a superuser or may reach server files,
+    programs or other sessions (default true)."""
+    return bool(getattr(settings, "DISPATCH_QUERY_SOURCE_LEAST_PRIVILEGE", True))

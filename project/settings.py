@@ -171,6 +171,10 @@ DISPATCH_CSV_BASE_DIRS = env.list("DISPATCH_CSV_BASE_DIRS", default=[])
 DISPATCH_DATASOURCE_HOSTS = env.list("DISPATCH_DATASOURCE_HOSTS", default=["*"])
 # The site's own database as a datasource: refused unless true.
 DISPATCH_ALLOW_SITE_DATABASE = env.bool("DISPATCH_ALLOW_SITE_DATABASE", default=False)
+# `query` sources refuse a superuser or otherwise privileged role unless false.
+DISPATCH_QUERY_SOURCE_LEAST_PRIVILEGE = env.bool(
+    "DISPATCH_QUERY_SOURCE_LEAST_PRIVILEGE", default=True
+)
 
 LOG_LEVEL = env.str("LOG_LEVEL", default="INFO")
 LOGGING = {

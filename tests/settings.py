@@ -21,3 +21,6 @@ from project.settings import *  # noqa: E402,F403
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 LOGGING["loggers"]["dispatch"]["level"] = "DEBUG"  # type: ignore[index]  # noqa: F405
+# The test server's only role is a superuser; the least-privilege check of query
+# sources is tested with a role of its own (tests/test_security_query_permission.py).
+DISPATCH_QUERY_SOURCE_LEAST_PRIVILEGE = False

@@ -82,3 +82,37 @@ def test_binding__pointing_a_query_job_at_a_source_needs_the_permission(client: 
     login(client, "change_jobbinding", "view_jobbinding", "write_source_query")
     assert client.post(url, data).status_code == 302
     assert JobBinding.objects.get(pk=binding.pk).source_id == other.pk
+
+
+@pytest.mark.django_db(transaction=True)
+def test_query_source__a_privileged_role_is_refused_a_plain_reader_is_not():
+    from django.test import override_settings
+
+    from dispatch.connectors.base import PermanentError
+    from dispatch.connectors.postgresql import PostgreSQLConnector as PG
+    from tests.test_connectors_helpers import Ctx, connect, scratch_db, server_config
+
+    for db in scratch_db("lp"):
+        role = f"lp_reader_{db.name}"[:63]
+        with connect(db.name) as conn:
+            conn.execute(f'DROP ROLE IF EXISTS "{role}"')
+            conn.execute(f'CREATE ROLE "{role}" LOGIN NOSUPERUSER')
+            conn.execute("CREATE TABLE t (a int)")
+            conn.execute(f'GRANT SELECT ON t TO "{role}"')
+        try:
+            spec = {"query": "select a from t"}
+            with override_settings(DISPATCH_QUERY_SOURCE_LEAST_PRIVILEGE=True):
+                with (
+                    pytest.raises(PermanentError, match="superuser"),
+                    PG.open_reader(server_config(db.name), spec, Ctx()),
+                ):
+                    pass
+                with PG.open_reader(server_config(db.name, user=role), spec, Ctx()) as r:
+                    assert [c.name for c in r.columns] == ["a"]
+                # A table source needs no such check.
+                with PG.open_reader(server_config(db.name), {"table": "t"}, Ctx()):
+                    pass
+        finally:
+            with connect(db.name) as conn:
+                conn.execute("DROP TABLE t")
+                conn.execute(f'DROP ROLE "{role}"')

@@ -442,6 +442,21 @@ class PostgreSQLConnector(Connector):
             writer.close()
 
 
+def _check_least_privilege(conn: psycopg.Connection[Any]) -> None:
+    """A `query` source runs arbitrary SQL: refuse a role that can do more than read
+    tables (docs/security.md, "Source queries")."""
+    row = conn.execute(targets.PRIVILEGED_ROLE_SQL, [list(targets.PRIVILEGED_ROLES)]).fetchone()
+    conn.commit()
+    if row is None:
+        return
+    role, powers = row[0], [p for p in row[1] or [] if p]
+    if powers:
+        raise PermanentError(
+            f"source: the role {role!r} has {', '.join(powers)}; a query source needs a "
+            "least-privilege role (SELECT on its tables only; DISPATCH_QUERY_SOURCE_LEAST_PRIVILEGE)"
+        )
+
+
 def _strip_query(query: str) -> str:
     return query.strip().rstrip(";").strip()
 
@@ -472,6 +487,8 @@ class _Reader:
         self.conn = connect(self.config, what="source connect")
         with _errors(self.secrets, "source"):
             _set_timeouts(self.conn, self.spec)
+            if self.spec.get("query") and targets.query_sources_least_privilege():
+                _check_least_privilege(self.conn)
             self.conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             self.conn.read_only = True
             # The first statement takes the snapshot; describing the relation inside the
