@@ -139,6 +139,7 @@ def main(argv: list[str]) -> int:
         f"{runs}?p=50",
         attempts,
         f"{attempts}?status__exact=FAILED",
+        f"{attempts}?run__binding__id__exact={binding}",
         f"{attempts}?origin__exact=OPERATOR",
         f"{attempts}?reason__exact=ERROR",
         f"{attempts}?blocked_reason__exact=BINDING_DISABLED",

@@ -9,6 +9,7 @@ the same index the page is read with, and says "more than COUNT_CAP" beyond.
 
 from __future__ import annotations
 
+import contextlib
 from functools import cached_property
 from typing import Any
 
@@ -29,7 +30,8 @@ def capped_count(queryset: QuerySet[Any], cap: int | None = None) -> int:
     # Joined to another history table (attempts filtered through their run's binding).
     tables = {a.table_name for a in inner.query.alias_map.values()}
     joined = len(tables & HISTORY_TABLES) > 1
-    with transaction.atomic(using=queryset.db), connections[queryset.db].cursor() as cursor:
+    scope = transaction.atomic(using=queryset.db) if joined else contextlib.nullcontext()
+    with scope, connections[queryset.db].cursor() as cursor:
         if joined:
             # A join filter (attempts of one binding): a hash join would read both tables
             # whole before the LIMIT; a nested loop stops at the cap.
