@@ -72,3 +72,38 @@ def check_keys_open_stored_configs(app_configs: Any = None, **kwargs: Any) -> li
             id="dispatch.E004",
         )
     ]
+
+
+# Interval settings that reach time arithmetic (sleeps, SQL intervals): (name, minimum,
+# maximum, default). Past the maximum, a typo (1e300) would overflow a timestamp.
+TIME_SETTINGS = (
+    ("DISPATCH_POLL_INTERVAL", 0.01, 3_600.0, 2.0),
+    ("DISPATCH_RECOVERY_INTERVAL", 0.01, 3_600.0, 5.0),
+    ("DISPATCH_SHUTDOWN_GRACE_SECONDS", 0.0, 86_400.0, 10.0),
+    ("DISPATCH_MISFIRE_GRACE_SECONDS", 0.0, 7 * 86_400.0, 60.0),
+)
+
+
+@register()
+def check_time_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """dispatch.E005: an interval setting that is not a number within its bounds."""
+    import math
+
+    from django.conf import settings
+
+    errors = []
+    for name, low, high, default in TIME_SETTINGS:
+        value = getattr(settings, name, default)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not (low <= number <= high):
+            errors.append(
+                Error(
+                    f"{name} is {value!r}; it must be a number of seconds from {low:g} "
+                    f"to {high:g}.",
+                    id="dispatch.E005",
+                )
+            )
+    return errors

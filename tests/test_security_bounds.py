@@ -61,3 +61,23 @@ def test_postgresql_spec__timeouts_have_a_maximum(name, maximum):
         PostgreSQLConnector.validate_source_spec({"table": "t", name: maximum + 1})
     with pytest.raises(ValidationError, match=f"{name}: must be at most"):
         PostgreSQLConnector.validate_sink_spec({"table": "t", "mode": "append", name: 10**12})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("DISPATCH_POLL_INTERVAL", 0.0),
+        ("DISPATCH_RECOVERY_INTERVAL", 1e300),
+        ("DISPATCH_SHUTDOWN_GRACE_SECONDS", float("nan")),
+        ("DISPATCH_MISFIRE_GRACE_SECONDS", -1.0),
+    ],
+)
+def test_check__interval_settings_out_of_bounds_are_errors(name, value):
+    from django.test import override_settings
+
+    from dispatch import checks
+
+    assert checks.check_time_settings() == []
+    with override_settings(**{name: value}):
+        [error] = checks.check_time_settings()
+    assert error.id == "dispatch.E005" and name in error.msg
