@@ -19,6 +19,7 @@ ALL: list[str] = [
     "recovery",
     "copy_pg",
     "movement",
+    "pgbouncer",
 ]
 # Short names for modules whose own name says more (`python -m bench copy`).
 ALIASES: dict[str, str] = {"copy": "copy_pg"}

@@ -166,6 +166,25 @@ def cmd_test(pytest_args: list[str]) -> int:
             if env.get("CI"):
                 print("CI is set: failing, CI must run the browser tests.", flush=True)
                 return 1
+        # The transaction-pooling tests (tests/test_pgbouncer.py) start Debian's PgBouncer.
+        from project import pgbouncer
+
+        if pgbouncer.find() is None and can_apt_install():
+            print("$ apt-get install -y pgbouncer  (no PgBouncer found)", flush=True)
+            subprocess.run(
+                ["apt-get", "install", "-y", "-qq", "pgbouncer"],
+                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+                check=False,
+            )
+        if pgbouncer.find() is None:
+            print(
+                "!! NO PGBOUNCER FOUND: tests/test_pgbouncer.py will be SKIPPED "
+                "(apt-get install -y pgbouncer, as root).",
+                flush=True,
+            )
+            if env.get("CI"):
+                print("CI is set: failing, CI must run the PgBouncer tests.", flush=True)
+                return 1
         print("$ pytest", " ".join(pytest_args), flush=True)
         return subprocess.run([PYTHON, "-m", "pytest", *pytest_args], cwd=ROOT, env=env).returncode
     finally:

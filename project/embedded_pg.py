@@ -32,8 +32,13 @@ def bin_dir() -> Path:
 
 class EmbeddedPostgres:
     def __init__(
-        self, data_dir: Path, port: int | None = None, password: str | None = None
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        password: str | None = None,
+        max_connections: int = 200,
     ) -> None:
+        self.max_connections = max_connections
         self.data_dir = data_dir.resolve()
         self.port = port or int(os.environ.get("DISPATCH_DEV_PG_PORT", "54329"))
         self.log_file = self.data_dir.parent / f"{self.data_dir.name}.log"
@@ -118,7 +123,7 @@ class EmbeddedPostgres:
         self._chown(self.log_file)
         options = (
             f"-p {self.port} -h 127.0.0.1 -c unix_socket_directories='' "
-            "-c max_connections=200 -c fsync=on"
+            f"-c max_connections={self.max_connections} -c fsync=on"
         )
         result = subprocess.run(
             [

@@ -9,8 +9,11 @@ skipped with a loud reason otherwise, and failed when the CI variable is set.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,10 +24,10 @@ from django.db import connection
 from dispatch.listen import probe_report
 from dispatch.models import Attempt, Worker
 from dispatch.states import Status
+from project.pgbouncer import PgBouncer, find
 from tests import test_fencing, test_worker
 from tests.conftest import Processes, test_database_url, wait_until
 from tests.factories import BindingFactory, trigger
-from tests.pgbouncer import PgBouncer, find
 from tests.test_fencing import dst_db  # noqa: F401 - fixture
 from tests.test_worker import finished, start_worker
 
@@ -162,3 +165,84 @@ def test_connection_budget__direct_worker_listen_main_heartbeat_and_one_per_busy
         assert _backends("dispatch-listen w-budget") == 1
     finally:
         direct.stop_all()
+
+
+class SilencingProxy:
+    """A local TCP proxy to PostgreSQL whose established connections can be silenced:
+    bytes from the server are then dropped, the socket stays open (a LISTEN connection
+    that is broken without an error). New connections are forwarded normally."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.silenced: set[socket.socket] = set()
+        self.live: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            self.live.append(client)
+            threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, client), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, client: socket.socket | None) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if client is None or client not in self.silenced:
+                    dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def silence_all(self) -> None:
+        self.silenced.update(self.live)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_listen_probe__a_silently_broken_listen_connection_is_reported_and_replaced(
+    tmp_path: Path,
+) -> None:
+    s = connection.settings_dict
+    proxy = SilencingProxy(s["HOST"] or "127.0.0.1", int(s["PORT"] or 5432))
+    procs = Processes(tmp_path)
+    procs.env_overrides = {
+        "DISPATCH_LISTEN_URL": f"postgres://{s['USER']}@127.0.0.1:{proxy.port}/{s['NAME']}",
+        "DISPATCH_LISTEN_PROBE_INTERVAL": "1",
+        "DISPATCH_LISTEN_PROBE_TIMEOUT": "1",
+    }
+    try:
+        proc = start_worker(procs, "--poll-interval", "60", "--worker-id", "w-silenced")
+        wait_until(
+            lambda: (
+                "LISTEN self-probe answered" in procs.output(proc)
+                or probe_report(Worker.objects.get(pk="w-silenced").stats).received >= 1
+            ),
+            message="a first answered probe",
+        )
+        proxy.silence_all()
+        wait_until(
+            lambda: "LISTEN wake-ups stopped arriving" in procs.output(proc),
+            message="the probe reporting the silent connection",
+        )
+        wait_until(
+            lambda: procs.output(proc).count("listening worker=") >= 2, message="re-listening"
+        )
+        # The new LISTEN connection delivers again: a wake-up is claimed by the directed path.
+        run = trigger(BindingFactory())
+        finished(run, timeout=20)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        stats = Worker.objects.get(pk="w-silenced").stats
+        report = probe_report(stats)
+        assert report.missed >= 1 and report.state == "ok"
+        assert stats["directed_hits"] == 1
+    finally:
+        procs.stop_all()
+        proxy.close()

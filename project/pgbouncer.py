@@ -1,6 +1,6 @@
 """A real PgBouncer (Debian's `pgbouncer`) in transaction-pooling mode, started on a free
 port with a configuration of its own in a temporary directory, in front of a PostgreSQL
-server. Used by the tests (tests/test_pgbouncer.py) and the benchmark (bench/pgbouncer.py).
+server: for the tests (tests/test_pgbouncer.py) and the benchmark (bench/pgbouncer.py).
 """
 
 from __future__ import annotations
