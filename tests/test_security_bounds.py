@@ -70,6 +70,8 @@ def test_postgresql_spec__timeouts_have_a_maximum(name, maximum):
         ("DISPATCH_RECOVERY_INTERVAL", 1e300),
         ("DISPATCH_SHUTDOWN_GRACE_SECONDS", float("nan")),
         ("DISPATCH_MISFIRE_GRACE_SECONDS", -1.0),
+        ("DISPATCH_LISTEN_PROBE_INTERVAL", 0.0),
+        ("DISPATCH_LISTEN_PROBE_TIMEOUT", 1e300),
     ],
 )
 def test_check__interval_settings_out_of_bounds_are_errors(name, value):
