@@ -23,10 +23,14 @@ SELECT dispatch_refresh_blocked_v1();
 
 -- name: next_available_in
 -- Seconds until the earliest future PENDING attempt becomes due (by database time), for
--- the worker's timer; NULL when there is none. Uses dispatch_attempt_pending_idx.
-SELECT EXTRACT(EPOCH FROM (min(available_at) - clock_timestamp()))::float8
+-- the worker's timer; NULL when there is none. The time is read once, in an InitPlan
+-- (a scalar subquery), so the comparison is an index condition on available_at of
+-- dispatch_attempt_pending_idx and the min() stops at the first future entry: the due
+-- backlog (available_at <= now) is never walked. A bare clock_timestamp() is volatile
+-- and can only filter row by row. A cheap statement: run it outside a transaction.
+SELECT EXTRACT(EPOCH FROM (min(available_at) - (SELECT clock_timestamp())))::float8
   FROM dispatch_attempt
- WHERE status = 'PENDING' AND available_at > clock_timestamp();
+ WHERE status = 'PENDING' AND available_at > (SELECT clock_timestamp());
 
 -- name: notify
 -- The wake-up, as its own autocommit transaction after the trigger committed: a full
