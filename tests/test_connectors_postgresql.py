@@ -487,3 +487,82 @@ def test_csv_untyped_columns_become_text(dst_db: ScratchDB, tmp_path: Path) -> N
     )
     assert _columns(dst_db, "a") == [("x", "text"), ("y", "text")]
     assert dst_db.execute("SELECT x, y FROM a") == [("1", None)]
+
+
+# --- first use of a fresh sink ------------------------------------------------------------
+@pytest.mark.django_db
+def test_first_use__two_first_runs_racing_into_a_fresh_sink_both_succeed(
+    src_db: ScratchDB, dst_db: ScratchDB
+) -> None:
+    src_db.execute("CREATE TABLE t (id int, name text)")
+    src_db.execute("INSERT INTO t SELECT i, 'n' || i FROM generate_series(1, 20) i")
+    rounds = 6
+    for r in range(rounds):
+        dst_db.execute(f"CREATE SCHEMA s{r}")
+    errors: list[BaseException] = []
+
+    def first_run(schema: str, barrier: threading.Barrier) -> None:
+        try:
+            barrier.wait(timeout=30)
+            spec = {"table": f"{schema}.t", "mode": "append", "create": True}
+            run_transfer(PG, src_db.config, {"table": "t"}, PG, dst_db.config, spec)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    for r in range(rounds):
+        barrier = threading.Barrier(2)
+        threads = [threading.Thread(target=first_run, args=(f"s{r}", barrier)) for _ in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert errors == []
+    for r in range(rounds):
+        assert dst_db.execute(f"SELECT count(*) FROM s{r}.t") == [(40,)]
+        assert dst_db.execute(
+            f"SELECT count(*) FROM s{r}.dispatch_fence WHERE committed_at IS NOT NULL"
+        ) == [(2,)]
+
+
+@pytest.mark.django_db
+def test_first_use__fence_creation_waits_for_a_concurrent_creator(
+    src_db: ScratchDB, dst_db: ScratchDB
+) -> None:
+    """A rival inside its first use (lock taken, table created, not committed): the
+    writer waits on the set-up lock instead of racing the catalog, then uses the rival's
+    table once it commits."""
+    src_db.execute("CREATE TABLE t (id int)")
+    src_db.execute("INSERT INTO t VALUES (1)")
+    done: list[Any] = []
+    with connect(dst_db.name) as rival:
+        rival.autocommit = False
+        rival.execute(
+            "SELECT pg_advisory_xact_lock(hashtext('dispatch_fence'), hashtext('public'))"
+        )
+        rival.execute(
+            "CREATE TABLE public.dispatch_fence (run_id uuid PRIMARY KEY, binding_id uuid,"
+            " token bigint NOT NULL, attempt_id uuid, committed_at timestamptz)"
+        )
+
+        def first_run() -> None:
+            try:
+                spec = {"table": "t", "create": True}
+                done.append(
+                    run_transfer(PG, src_db.config, {"table": "t"}, PG, dst_db.config, spec)
+                )
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                done.append(exc)
+
+        thread = threading.Thread(target=first_run)
+        thread.start()
+        wait_until(
+            lambda: dst_db.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock' AND wait_event = 'advisory'"
+            )[0][0],
+            message="the writer waits on the set-up lock",
+        )
+        rival.commit()
+        thread.join(timeout=60)
+    assert len(done) == 1 and not isinstance(done[0], BaseException), done
+    assert dst_db.execute("SELECT count(*) FROM t") == [(1,)]

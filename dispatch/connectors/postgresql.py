@@ -666,6 +666,15 @@ class _Writer:
         for tries in range(2):
             try:
                 with conn.transaction():
+                    # Serialise first uses of this fence table: CREATE ... IF NOT EXISTS is
+                    # not atomic against a concurrent creation (the loser fails with a
+                    # duplicate table or a unique violation on the catalog). Under the lock
+                    # the second creator sees the first one's committed table.
+                    conn.execute(
+                        "SELECT pg_catalog.pg_advisory_xact_lock("
+                        "pg_catalog.hashtext(%s), pg_catalog.hashtext(%s))",
+                        ["dispatch_fence", self.schema],
+                    )
                     conn.execute(
                         sql.SQL(
                             "CREATE TABLE IF NOT EXISTS {} (run_id uuid PRIMARY KEY,"
@@ -674,9 +683,9 @@ class _Writer:
                         ).format(self._fence_table)
                     )
                 break
-            except psycopg.errors.UniqueViolation:
-                # Two first attempts created the table at once (CREATE ... IF NOT EXISTS
-                # is not atomic against a concurrent creation); the second pass sees it.
+            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+                # A creator that does not take the lock (an older worker): the second
+                # pass sees its table.
                 if tries:
                     raise
         with conn.transaction():
