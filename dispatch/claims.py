@@ -46,7 +46,8 @@ class Recovered:
     attempt_id: uuid.UUID
     run_id: uuid.UUID
     number: int
-    outcome: str
+    outcome: str | None  # None: the settlement failed (error says why) and was skipped
+    error: str | None = None
 
 
 def _json(value: Any) -> dict[str, Any]:
@@ -128,13 +129,17 @@ def heartbeat(
 
 def recover(limit: int = 500) -> list[Recovered]:
     """Settle expired leases until none is left (each call of the function settles at
-    most `limit` in one transaction)."""
+    most `limit` in one transaction). A row whose settlement fails is isolated by the
+    function (rolled back alone, reported with `outcome=None` and its error) and not
+    picked again in this call, so it can neither stop the pass nor loop it."""
     settled: list[Recovered] = []
+    failed: list[uuid.UUID] = []
     while True:
         with connection.cursor() as cursor:
-            cursor.execute(query("recover"), {"limit": limit})
+            cursor.execute(query("recover"), {"limit": limit, "skip": failed})
             batch = [Recovered(*row) for row in cursor.fetchall()]
         settled.extend(batch)
+        failed.extend(r.attempt_id for r in batch if r.outcome is None)
         if len(batch) < limit:
             return settled
 

@@ -399,8 +399,19 @@ class WorkerDispatchCoordinator:
         return len(finished)
 
     def _recover(self) -> int:
-        settled = claims.recover()
-        for r in settled:
+        results = claims.recover()
+        settled = [r for r in results if r.outcome is not None]
+        for r in results:
+            if r.outcome is None:  # isolated by the pass: rolled back alone, left RUNNING
+                log.error(
+                    "lease expired, settlement failed run=%s attempt=%s worker=%s error=%s",
+                    r.run_id,
+                    r.number,
+                    self.worker_id,
+                    r.error,
+                )
+                self._count("recovery_failures")
+                continue
             log.info(
                 "lease expired, settled run=%s attempt=%s outcome=%s worker=%s",
                 r.run_id,

@@ -6,12 +6,14 @@
 SELECT * FROM dispatch_claim_v1(%(worker)s, %(run)s, %(limit)s, %(generic)s);
 
 -- name: settle
--- A guarded settlement of one attempt (see dispatch_settle_v1); NULL = lease lost.
-SELECT dispatch_settle_v1(%(attempt)s, %(token)s, %(outcome)s, %(reason)s, %(error)s,
+-- A guarded settlement of one attempt (see dispatch_settle_v2); NULL = lease lost.
+SELECT dispatch_settle_v2(%(attempt)s, %(token)s, %(outcome)s, %(reason)s, %(error)s,
                           %(rows_read)s, %(rows_written)s);
 
 -- name: recover
-SELECT * FROM dispatch_recover_v1(%(limit)s);
+-- One row-isolated recovery pass (see dispatch_recover_v2): outcome NULL + error = a row
+-- whose settlement failed and was skipped.
+SELECT * FROM dispatch_recover_v2(%(limit)s, %(skip)s::uuid[]);
 
 -- name: heartbeat
 SELECT * FROM dispatch_heartbeat_v1(%(worker)s, %(attempts)s::uuid[], %(tokens)s::bigint[],
