@@ -70,3 +70,65 @@ def listen_probe_interval() -> float:
 def listen_probe_timeout() -> float:
     """Seconds a probe may take to come back before the LISTEN connection is reported."""
     return float(getattr(settings, "DISPATCH_LISTEN_PROBE_TIMEOUT", 5.0))
+
+
+# --- operations: retention, metrics, alerts, auto-disable (docs/operations.md) ---------
+
+RETENTION_DEFAULT_DAYS: dict[str, float | None] = {
+    "SUCCEEDED": 14.0,
+    "FAILED": 90.0,
+    "CANCELLED": 90.0,
+}
+
+
+def retention_days() -> dict[str, float | None]:
+    """Days a finished run is kept, per final status (None: forever)."""
+    configured = getattr(settings, "DISPATCH_RETENTION_DAYS", {}) or {}
+    days = {**RETENTION_DEFAULT_DAYS, **configured}
+    return {k: (None if v is None else float(v)) for k, v in days.items()}
+
+
+def retention_batch() -> int:
+    """Runs deleted per transaction (each batch holds its locks for milliseconds)."""
+    return int(getattr(settings, "DISPATCH_RETENTION_BATCH", 500))
+
+
+def retention_interval() -> float:
+    """Seconds between retention passes across all workers (the first worker whose
+    maintenance loop finds the last pass older than this runs the next one)."""
+    return float(getattr(settings, "DISPATCH_RETENTION_INTERVAL", 300.0))
+
+
+def retention_max_batches() -> int:
+    """Batches one pass deletes at most (the rest waits for the next pass)."""
+    return int(getattr(settings, "DISPATCH_RETENTION_MAX_BATCHES", 100))
+
+
+def worker_retention_days() -> float:
+    """Days a stopped worker's row is kept."""
+    return float(getattr(settings, "DISPATCH_WORKER_RETENTION_DAYS", 7.0))
+
+
+def alert_retention_days() -> float:
+    """Days a sent, failed or suppressed alert is kept."""
+    return float(getattr(settings, "DISPATCH_ALERT_RETENTION_DAYS", 90.0))
+
+
+def maintenance_enabled() -> bool:
+    """Whether `runworker` runs the maintenance loop (retention, health scan, alerts)."""
+    return bool(getattr(settings, "DISPATCH_MAINTENANCE", True))
+
+
+def health_interval() -> float:
+    """Seconds between health scans (alerts, auto-disable) in each worker's loop."""
+    return float(getattr(settings, "DISPATCH_HEALTH_INTERVAL", 10.0))
+
+
+def metrics_path() -> str:
+    """Where the site serves Prometheus metrics ("" : not served)."""
+    return str(getattr(settings, "DISPATCH_METRICS_PATH", "metrics"))
+
+
+def metrics_token() -> str:
+    """A bearer token that may read the metrics (besides staff users); "" : staff only."""
+    return str(getattr(settings, "DISPATCH_METRICS_TOKEN", ""))

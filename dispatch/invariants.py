@@ -20,6 +20,7 @@ from typing import Any
 
 from django.db import connection
 
+from dispatch import retention
 from dispatch.states import TERMINAL_RUN_STATUSES, Origin, Reason, Status
 
 # Reasons that say the attempt's worker lost it (lease or release): such an attempt can
@@ -105,6 +106,8 @@ class State:
     attempts: dict[uuid.UUID, list[AttemptRow]] = field(default_factory=dict)
     bindings: dict[uuid.UUID, BindingRow] = field(default_factory=dict)
     db_now: datetime | None = None
+    # Runs finished up to here may have been deleted by retention (dispatch.retention).
+    pruned_through: datetime | None = None
 
     def attempts_of(self, run_id: uuid.UUID) -> list[AttemptRow]:
         return self.attempts.get(run_id, [])
@@ -157,6 +160,7 @@ def load(scope: Scope) -> State:
     """Read the runs in scope, their attempts and bindings (one statement each)."""
     state = State(scope=scope)
     state.db_now = _rows("SELECT now()", {})[0][0]
+    state.pruned_through = retention.pruned_through()
     for row in _rows(
         "SELECT id, binding_id, status, created_at, finished_at, cancel_requested_at,"
         "       schedule_id, scheduled_for"
@@ -689,7 +693,13 @@ def check_schedule_slots(state: State, schedules: list[ScheduleRow]) -> list[Vio
                     "schedule_slots", subject, f"a run for {slot.isoformat()}, not a due slot"
                 )
             )
-        missing = [slot for slot in due if slot not in s.fired]
+        # Retention deletes old runs (never a schedule's latest): a slot that finished no
+        # later than the newest pruned run may have lost its run to it.
+        missing = [
+            slot
+            for slot in due
+            if slot not in s.fired and (state.pruned_through is None or slot > state.pruned_through)
+        ]
         if len(missing) > s.skip_count:
             found.append(
                 Violation(

@@ -595,3 +595,7 @@ class Overview(Run):
         verbose_name = "overview"
         verbose_name_plural = "overview"
         default_permissions = ()  # seen by whoever may view runs
+
+
+# The operations tables live in their own module; Django finds models through this one.
+from dispatch.ops_models import Alert, BindingHealth, OpsState  # noqa: E402, F401

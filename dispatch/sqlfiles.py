@@ -61,3 +61,15 @@ def query(name: str) -> str:
 
 def query_names() -> list[str]:
     return _DISPATCH.names()
+
+
+_OPS = NamedQueries(SQL_DIR / "ops.sql")
+
+
+def ops_query(name: str) -> str:
+    """A named statement of `dispatch/sql/ops.sql` (retention, health, alerts, metrics)."""
+    return _OPS.query(name)
+
+
+def ops_query_names() -> list[str]:
+    return _OPS.names()

@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import OperationalError
 from django.utils.module_loading import import_string
 
-from dispatch import site_checks
+from dispatch import conf, maintenance, site_checks
 from dispatch.coordinator import WorkerDispatchCoordinator
 from dispatch.worker_logging import ensure_worker_logging
 
@@ -37,6 +37,12 @@ class Command(BaseCommand):
             action="store_true",
             help="exit once nothing is claimable now and executions have finished",
         )
+        parser.add_argument(
+            "--no-maintenance",
+            action="store_true",
+            help="do not run the maintenance loop (retention, health scan, alerts) in this "
+            "process (default: DISPATCH_MAINTENANCE)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["concurrency"] < 1:
@@ -50,6 +56,8 @@ class Command(BaseCommand):
             if not apps.is_installed("scheduling"):
                 raise CommandError("--scheduler needs the scheduling app in INSTALLED_APPS.")
             background.append(import_string("scheduling.reconciler.run_loop"))
+        if conf.maintenance_enabled() and not options["no_maintenance"]:
+            background.append(maintenance.run_loop)
         coordinator = WorkerDispatchCoordinator(
             concurrency=options["concurrency"],
             poll_interval=options["poll_interval"],

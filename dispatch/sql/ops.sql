@@ -1,0 +1,99 @@
+-- Named statements of the operations side: retention, maintenance state, health scan,
+-- alert outbox and the metrics' gauges. Fetched with dispatch.sqlfiles.ops_query(NAME).
+-- None of them runs in the claim path; every one that locks takes SKIP LOCKED, so it
+-- never waits for a claim, a settlement or an operator, and they never wait for it.
+
+-- name: ops_state_ensure
+INSERT INTO dispatch_opsstate (key, data, updated_at)
+VALUES (%(key)s, '{}', '1970-01-01T00:00:00Z')
+ON CONFLICT (key) DO NOTHING;
+
+-- name: ops_state_begin
+-- Start a pass of a maintenance task if the last one began at least %(interval)s seconds
+-- ago (by database time). The conditional update lets exactly one caller through per
+-- interval: it saves work, it carries no correctness (every pass is idempotent).
+UPDATE dispatch_opsstate SET updated_at = clock_timestamp()
+ WHERE key = %(key)s
+   AND updated_at <= clock_timestamp() - make_interval(secs => %(interval)s)
+RETURNING data;
+
+-- name: ops_state_record
+-- Merge what a pass did into the task's state, stamped with the database's clock.
+UPDATE dispatch_opsstate
+   SET data = data || %(data)s::jsonb || jsonb_build_object('last_pass_at', clock_timestamp())
+ WHERE key = %(key)s;
+
+-- name: ops_state_read
+SELECT data, updated_at FROM dispatch_opsstate WHERE key = %(key)s;
+
+-- name: prune_pick_runs
+-- Finished runs of one status whose retention has passed, oldest first, that no rule
+-- protects (docs/operations.md, "What retention never deletes"), locked FOR UPDATE SKIP
+-- LOCKED: a run an operator or a settlement holds is left for the next pass.
+-- Index: dispatch_run_status_idx (status, created_at); finished_at >= created_at, so the
+-- created_at bound follows from the finished_at one and lets the scan stop early.
+SELECT r.id, r.finished_at
+  FROM dispatch_run r
+ WHERE r.status = %(status)s
+   AND r.created_at < now() - make_interval(secs => %(seconds)s)
+   AND r.finished_at < now() - make_interval(secs => %(seconds)s)
+   -- R1, live work: the status is final, and no attempt is live (a run's status is its
+   -- latest attempt's; this re-checks it through dispatch_attempt_one_live_per_run).
+   AND r.status IN ('SUCCEEDED', 'FAILED', 'CANCELLED')
+   AND NOT EXISTS (SELECT 1 FROM dispatch_attempt a
+                    WHERE a.run_id = r.id AND a.status IN ('PENDING', 'RUNNING'))
+   -- R2, the latest run of the binding (dispatch_run_binding_idx).
+   AND EXISTS (SELECT 1 FROM dispatch_run n
+                WHERE n.binding_id = r.binding_id AND n.created_at > r.created_at)
+   -- R3, the latest successful run of the binding: what "last good sync" and an
+   -- incremental sync's resume point are read from.
+   AND (r.status <> 'SUCCEEDED'
+        OR EXISTS (SELECT 1 FROM dispatch_run n
+                    WHERE n.binding_id = r.binding_id AND n.status = 'SUCCEEDED'
+                      AND n.created_at > r.created_at))
+   -- R4, the latest run of a schedule: its slot record, read by the overlap policy and
+   -- the schedule's last_run (index of dispatch_run_schedule_slot_uniq).
+   AND (r.schedule_id IS NULL
+        OR EXISTS (SELECT 1 FROM dispatch_run n
+                    WHERE n.schedule_id = r.schedule_id AND n.scheduled_for > r.scheduled_for))
+ ORDER BY r.created_at
+ LIMIT %(limit)s
+   FOR UPDATE OF r SKIP LOCKED;
+
+-- name: prune_delete_attempts
+-- The attempts of runs locked by prune_pick_runs (final, so nobody else locks them).
+DELETE FROM dispatch_attempt WHERE run_id = ANY (%(runs)s::uuid[]) RETURNING id;
+
+-- name: prune_delete_runs
+DELETE FROM dispatch_run WHERE id = ANY (%(runs)s::uuid[]);
+
+-- name: prune_workers
+-- Rows of workers stopped (or silent, after a kill) longer than the retention, unless
+-- one still holds a RUNNING attempt (recovery settles that first).
+DELETE FROM dispatch_worker
+ WHERE id IN (
+    SELECT w.id FROM dispatch_worker w
+     WHERE coalesce(w.stopped_at, w.heartbeat_at) < now() - make_interval(secs => %(seconds)s)
+       AND NOT EXISTS (SELECT 1 FROM dispatch_attempt a
+                        WHERE a.worker_id = w.id AND a.status = 'RUNNING')
+     LIMIT %(limit)s
+       FOR UPDATE OF w SKIP LOCKED);
+
+-- name: prune_alerts
+-- Sent, failed or suppressed alerts older than the retention (never a PENDING one).
+-- Index: dispatch_alert_created_idx.
+DELETE FROM dispatch_alert
+ WHERE id IN (
+    SELECT id FROM dispatch_alert
+     WHERE status <> 'PENDING' AND created_at < now() - make_interval(secs => %(seconds)s)
+     ORDER BY created_at
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED);
+
+-- name: prune_oldest_finished
+-- The oldest finished run of each final status (for the console and the metrics): one
+-- index probe per status (dispatch_run_status_idx).
+SELECT s.status,
+       (SELECT r.created_at FROM dispatch_run r WHERE r.status = s.status
+         ORDER BY r.created_at LIMIT 1)
+  FROM unnest(ARRAY['SUCCEEDED', 'FAILED', 'CANCELLED']) AS s(status);
