@@ -72,7 +72,7 @@ def listen_probe_timeout() -> float:
     return float(getattr(settings, "DISPATCH_LISTEN_PROBE_TIMEOUT", 5.0))
 
 
-# --- operations: retention, metrics, alerts, auto-disable (docs/operations.md) ---------
+# --- operations: retention (docs/operations.md) ----------------------------------------
 
 RETENTION_DEFAULT_DAYS: dict[str, float | None] = {
     "SUCCEEDED": 14.0,
@@ -117,18 +117,3 @@ def alert_retention_days() -> float:
 def maintenance_enabled() -> bool:
     """Whether `runworker` runs the maintenance loop (retention, health scan, alerts)."""
     return bool(getattr(settings, "DISPATCH_MAINTENANCE", True))
-
-
-def health_interval() -> float:
-    """Seconds between health scans (alerts, auto-disable) in each worker's loop."""
-    return float(getattr(settings, "DISPATCH_HEALTH_INTERVAL", 10.0))
-
-
-def metrics_path() -> str:
-    """Where the site serves Prometheus metrics ("" : not served)."""
-    return str(getattr(settings, "DISPATCH_METRICS_PATH", "metrics"))
-
-
-def metrics_token() -> str:
-    """A bearer token that may read the metrics (besides staff users); "" : staff only."""
-    return str(getattr(settings, "DISPATCH_METRICS_TOKEN", ""))

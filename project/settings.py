@@ -177,7 +177,7 @@ DISPATCH_QUERY_SOURCE_LEAST_PRIVILEGE = env.bool(
 )
 
 
-# Operations (docs/operations.md): retention, metrics, alerts, auto-disable.
+# Operations (docs/operations.md): retention.
 def _days(name: str, default: float) -> float | None:
     """Days, or None for "never" (an empty value or the word never)."""
     raw = env.str(name, default=str(default)).strip()
@@ -197,25 +197,6 @@ DISPATCH_RETENTION_DAYS = {
 DISPATCH_RETENTION_BATCH = env.int("DISPATCH_RETENTION_BATCH", default=500)
 DISPATCH_RETENTION_INTERVAL = _float("DISPATCH_RETENTION_INTERVAL", 300.0)
 DISPATCH_MAINTENANCE = env.bool("DISPATCH_MAINTENANCE", default=True)
-DISPATCH_HEALTH_INTERVAL = _float("DISPATCH_HEALTH_INTERVAL", 10.0)
-DISPATCH_METRICS_PATH = env.str("DISPATCH_METRICS_PATH", default="metrics")
-DISPATCH_METRICS_TOKEN = env.str("DISPATCH_METRICS_TOKEN", default="")
-DISPATCH_ALERT_WEBHOOK_URL = env.str("DISPATCH_ALERT_WEBHOOK_URL", default="")
-DISPATCH_ALERT_WEBHOOK_SECRET = env.str("DISPATCH_ALERT_WEBHOOK_SECRET", default="")
-DISPATCH_ALERT_MIN_INTERVAL = _float("DISPATCH_ALERT_MIN_INTERVAL", 900.0)
-DISPATCH_ALERT_MAX_PER_HOUR = env.int("DISPATCH_ALERT_MAX_PER_HOUR", default=100)
-DISPATCH_AUTO_DISABLE = {
-    "WARN_FAILURES": env.int("DISPATCH_WARN_FAILURES", default=20),
-    "WARN_DAYS": _float("DISPATCH_WARN_DAYS", 4.0),
-    "DISABLE_FAILURES": env.int("DISPATCH_DISABLE_FAILURES", default=30),
-    "DISABLE_DAYS": _float("DISPATCH_DISABLE_DAYS", 7.0),
-}
-# Alert e-mail: ADMINS receive what a binding sends to no address list of its own.
-ADMINS = [(address, address) for address in env.list("ADMINS", default=[])]
-SERVER_EMAIL = env.str("SERVER_EMAIL", default="dispatch@localhost")
-DEFAULT_FROM_EMAIL = SERVER_EMAIL
-if "EMAIL_URL" in env:
-    vars().update(env.email_url("EMAIL_URL"))
 
 LOG_LEVEL = env.str("LOG_LEVEL", default="INFO")
 LOGGING = {

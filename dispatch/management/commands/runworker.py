@@ -40,7 +40,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--no-maintenance",
             action="store_true",
-            help="do not run the maintenance loop (retention, health scan, alerts) in this "
+            help="do not run the maintenance loop (retention) in this "
             "process (default: DISPATCH_MAINTENANCE)",
         )
 
