@@ -22,7 +22,7 @@ from django.db import connection
 
 from dispatch import claims, crypto
 from dispatch.claims import ClaimedAttempt
-from dispatch.connectors import registry
+from dispatch.connectors import incremental, registry
 from dispatch.connectors.base import (
     ConnectorError,
     FenceRejected,
@@ -165,6 +165,7 @@ class Runner:
         self.control = control
         self.on_event = on_event
         self.secrets: list[str] = []
+        self.cursor: incremental.Prepared | None = None
 
     def _log(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         c = self.claimed
@@ -258,6 +259,7 @@ class Runner:
                 source.open_reader(source_config, c.source_spec, ctx) as reader,  # type: ignore[arg-type]
                 sink.open_writer(sink_config, c.sink_spec, ctx, reader.columns) as writer,  # type: ignore[arg-type]
             ):
+                self.cursor = incremental.prepare(reader, writer)
                 self._transfer(ctx, reader, writer)
                 # A run whose data is already committed succeeds whatever else is asked;
                 # otherwise a stop requested meanwhile wins over committing now.

@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 from django.db import connection
 
+from dispatch.connectors import incremental
 from dispatch.connectors.base import Column, LeaseLost, Stopped, WriteResult
 from dispatch.runner import Runner
 
@@ -148,6 +149,7 @@ def run_transfer(
     with source.open_reader(source_config, source_spec, ctx) as reader:
         columns: list[Column] = reader.columns
         with sink.open_writer(sink_config, sink_spec, ctx, columns) as writer:
+            incremental.prepare(reader, writer)
             if rows_only:
                 if not getattr(writer, "already_committed", False):
                     for batch in reader.batches():

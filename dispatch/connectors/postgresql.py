@@ -21,6 +21,7 @@ from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from dispatch import limits, targets
+from dispatch.connectors import incremental
 from dispatch.connectors.base import (
     Batch,
     Column,
@@ -305,7 +306,13 @@ class PostgreSQLConnector(Connector):
             "never together with them.",
         ),
     )
-    SOURCE_FIELDS = {"table", "query", "statement_timeout_seconds", "lock_timeout_seconds"}
+    SOURCE_FIELDS = {
+        "table",
+        "query",
+        "incremental",
+        "statement_timeout_seconds",
+        "lock_timeout_seconds",
+    }
     SINK_FIELDS = {
         "table",
         "mode",
@@ -376,6 +383,7 @@ class PostgreSQLConnector(Connector):
                 raise ValidationError("query: must be a non-empty SQL query text")
             if ";" in _strip_query(query):
                 raise ValidationError("query: must be one statement (no ';')")
+        incremental.validate(spec)
         _timeouts(spec)
         return spec
 
@@ -473,6 +481,11 @@ class _Reader:
         self.conn: psycopg.Connection[Any] | None = None
         self.columns: list[Column] = []
         self.oids: list[int] = []
+        # An incremental read (dispatch/connectors/incremental.py): `bound()` decides the
+        # rows in this reader's snapshot before any is read.
+        self.incremental = incremental.parse(spec)
+        self._plan: incremental.CursorReadPlan | None = None
+        self.bounds: incremental.Bounds | None = None
 
     def _relation(self) -> sql.Composable:
         if self.spec.get("table"):
@@ -512,6 +525,18 @@ class _Reader:
                 )
             ]
             self.columns = [Column(n, t) for n, t in zip(names, types, strict=True)]
+            if self.incremental is not None:
+                self._plan = incremental.CursorReadPlan(
+                    self.incremental, self._relation(), self.columns
+                )
+
+    def bound(self, start: list[str] | None) -> incremental.Bounds:
+        """Incremental reads: the rows above `start` (the sink's committed cursor), decided
+        in this reader's snapshot; `end` is the greatest cursor tuple among them."""
+        assert self.conn is not None and self._plan is not None
+        with _errors(self.secrets, "source cursor"):
+            self.bounds = self._plan.bound(self.conn, start)
+        return self.bounds
 
     def close(self) -> None:
         if self.conn is not None:
@@ -519,8 +544,15 @@ class _Reader:
             self.conn = None
 
     def _copy_sql(self, fmt: str) -> sql.Composed:
+        if self._plan is not None and self.bounds is None:
+            raise PermanentError("incremental read started without its cursor bounds")
+        relation = (
+            self._plan.select(self.bounds)
+            if self._plan is not None and self.bounds is not None
+            else self._relation()
+        )
         return sql.SQL("COPY ({}) TO STDOUT (FORMAT {})").format(
-            self._relation(), sql.SQL("BINARY" if fmt == "binary" else "TEXT")
+            relation, sql.SQL("BINARY" if fmt == "binary" else "TEXT")
         )
 
     def batches(self) -> Iterator[Batch]:
@@ -639,6 +671,9 @@ class _Writer:
         self._copy_fmt: str | None = None
         self._target_types: dict[str, str] = {}
         self._convert: list[Callable[[Any], Any] | None] = []
+        # Incremental reads: the committed cursor this attempt read, and the one to commit.
+        self._cursor_read: incremental.CommittedCursor | None = None
+        self._cursor_new: tuple[tuple[str, ...], list[str] | None] | None = None
 
     # -- set-up --------------------------------------------------------------------------
     def open(self) -> None:
@@ -688,6 +723,9 @@ class _Writer:
                 # pass sees its table.
                 if tries:
                     raise
+        # The committed cursors of incremental reads live beside the fence; made here, in
+        # a transaction of its own, so no data transaction ever holds its creation.
+        incremental.ensure_table(conn, self.schema)
         with conn.transaction():
             # ON CONFLICT DO UPDATE re-evaluates its WHERE on the newest committed version
             # of the row (after waiting for a concurrent commit that holds it), so a commit
@@ -717,6 +755,30 @@ class _Writer:
             f"sink fence of run {fence.run_id} is at token {token}, above this attempt's "
             f"{fence.token}"
         )
+
+    # -- the committed cursor of an incremental read (dispatch/connectors/incremental.py) --
+    def cursor_state(self, inc: incremental.IncrementalSpec) -> incremental.CommittedCursor:
+        """The binding's committed cursor, as this sink holds it (the truth). Read inside
+        the data transaction; `commit()` moves it with a compare-and-set on its version."""
+        assert self.conn is not None
+        if self.mode == "replace":
+            raise PermanentError(
+                "incremental reads need an append or upsert sink: replace would keep only "
+                "the latest increment"
+            )
+        if inc.lookback_seconds is not None and self.mode != "upsert":
+            raise PermanentError(
+                "incremental.lookback_seconds re-reads rows, so it needs an upsert sink"
+            )
+        with _errors(self.secrets, "sink cursor"):
+            self._cursor_read = incremental.read_committed(
+                self.conn, self.schema, self.ctx.fence.binding_id
+            )
+        return self._cursor_read
+
+    def stage_cursor(self, columns: tuple[str, ...], cursor: list[str] | None) -> None:
+        """The cursor to commit with the rows (in the same transaction as the fence)."""
+        self._cursor_new = (columns, cursor)
 
     def _target_columns(self) -> dict[str, tuple[str, int]] | None:
         """The sink table's columns: name -> (exact type, type oid); None if missing."""
@@ -891,6 +953,21 @@ class _Writer:
                 self.rows = copied  # the server's own count ("COPY n")
             if self.mode == "upsert" and self.rows:
                 self._merge()
+            if self._cursor_new is not None and self._cursor_read is not None:
+                try:
+                    incremental.commit_cursor(
+                        conn,
+                        self.schema,
+                        binding_id=fence.binding_id,
+                        read=self._cursor_read,
+                        columns=self._cursor_new[0],
+                        cursor=self._cursor_new[1],
+                        run_id=fence.run_id,
+                        attempt_id=fence.attempt_id,
+                    )
+                except TransientError:
+                    conn.rollback()
+                    raise
             # The fence, last: row-locked only from here to COMMIT (milliseconds). A newer
             # attempt that raised the token, or a commit that beat us, leaves no row.
             updated = conn.execute(
