@@ -1,6 +1,6 @@
 """Incremental reads: the cursor commits with the data (docs/connectors.md, "Incremental
-reads"). Connector-level tests on real scratch databases; the worker-process tests are in
-tests/test_incremental_processes.py."""
+reads"). Connector-level tests on real scratch databases, driven as the runner drives a
+transfer."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from tests.test_connectors_helpers import (
     run_transfer,
     scratch_db,
 )
+
+pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
