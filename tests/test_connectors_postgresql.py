@@ -566,3 +566,59 @@ def test_first_use__fence_creation_waits_for_a_concurrent_creator(
         thread.join(timeout=60)
     assert len(done) == 1 and not isinstance(done[0], BaseException), done
     assert dst_db.execute("SELECT count(*) FROM t") == [(1,)]
+
+
+# --- a hostile source ---------------------------------------------------------------------
+@pytest.mark.django_db
+def test_hostile_source__shadowed_format_type_cannot_make_the_sink_run_its_sql(
+    src_db: ScratchDB, dst_db: ScratchDB
+) -> None:
+    """The source defines public.format_type and puts public ahead of pg_catalog: what it
+    returns would be raw SQL in the sink's CREATE TABLE. The sink must run none of it."""
+    src_db.execute("CREATE TABLE t (id int, name text)")
+    src_db.execute("INSERT INTO t VALUES (1, 'a')")
+    src_db.execute(
+        "CREATE FUNCTION public.format_type(oid, integer) RETURNS text LANGUAGE sql AS"
+        " $$SELECT 'integer); CREATE TABLE public.pwned (x int); CREATE TABLE public.z (y int'$$"
+    )
+    src_db.execute(f'ALTER DATABASE "{src_db.name}" SET search_path = public, pg_catalog')
+    run_transfer(
+        PG, src_db.config, {"table": "t"}, PG, dst_db.config, {"table": "t", "create": True}
+    )
+    assert _columns(dst_db, "t") == [("id", "integer"), ("name", "text")]
+    assert dst_db.execute("SELECT to_regclass('public.pwned'), to_regclass('public.z')") == [
+        (None, None)
+    ]
+    # The session's search_path never puts a schema ahead of pg_catalog.
+    with PG.open_reader(src_db.config, {"table": "t"}, Ctx()) as reader:
+        conn = reader.conn
+        assert conn.execute("SHOW search_path").fetchone()[0] == '"public", pg_temp'
+        assert conn.execute("SELECT format_type(23, -1)").fetchone()[0] == "integer"
+
+
+@pytest.mark.django_db
+def test_hostile_source__type_names_checked_against_the_sink(dst_db: ScratchDB) -> None:
+    from dispatch.connectors import sqlsafety
+
+    with connect(dst_db.name) as conn:
+        assert sqlsafety.check_type_name(conn, "a", "numeric(12,2)[]") == "numeric(12,2)[]"
+        assert sqlsafety.check_type_name(conn, "a", 'pg_catalog."varchar"(20)')
+        for bad in (
+            "integer); DROP TABLE x; --",
+            "integer -- comment",
+            "integer /* c */",
+            "text DEFAULT 'x'",
+            "",
+        ):
+            with pytest.raises(PermanentError, match="column a"):
+                sqlsafety.check_type_name(conn, "a", bad)
+        with pytest.raises(PermanentError, match="column a: type 'no_such_type' is not a type"):
+            sqlsafety.check_type_name(conn, "a", "no_such_type")
+        # Well-formed but more than one type name: regtype takes exactly one.
+        with pytest.raises(PermanentError, match="column a"):
+            sqlsafety.check_type_name(conn, "a", "integer, b text")
+    assert sqlsafety.split_search_path('"$user", public, "We, ""x""" ') == [
+        '"$user"',
+        "public",
+        'We, "x"',
+    ]

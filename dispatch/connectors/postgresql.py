@@ -21,7 +21,7 @@ from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from dispatch import limits, targets
-from dispatch.connectors import incremental
+from dispatch.connectors import incremental, sqlsafety
 from dispatch.connectors.base import (
     Batch,
     Column,
@@ -238,6 +238,11 @@ def connect(config: dict[str, Any], *, what: str = "connect") -> psycopg.Connect
         raise PermanentError(f"{what}: refused by the site's target policy: {'; '.join(problems)}")
     with _errors(secrets, what):
         conn = psycopg.connect(_conninfo(config))
+        try:
+            sqlsafety.set_safe_search_path(conn)
+        except BaseException:
+            conn.close()
+            raise
     if not targets.site_database_allowed():
         try:
             with _errors(secrets, what):
@@ -519,7 +524,7 @@ class _Reader:
             types = [
                 row[0]
                 for row in self.conn.execute(
-                    "SELECT format_type(t.oid, t.mod) FROM unnest(%s::oid[], %s::int[])"
+                    "SELECT pg_catalog.format_type(t.oid, t.mod) FROM unnest(%s::oid[], %s::int[])"
                     " WITH ORDINALITY AS t(oid, mod, n) ORDER BY t.n",
                     [self.oids, mods],
                 )
@@ -681,7 +686,8 @@ class _Writer:
         with _errors(self.secrets, "sink"):
             _set_timeouts(self.conn, self.spec)
             schema, self.name = parse_table(self.spec["table"])
-            self.schema = schema or self.conn.execute("SELECT current_schema()").fetchone()[0]  # type: ignore[index]
+            current = self.conn.execute("SELECT pg_catalog.current_schema()").fetchone()
+            self.schema = schema or (current[0] if current else "public")
             self.conn.commit()
             self._raise_fence()
             if self.already_committed:
@@ -784,7 +790,7 @@ class _Writer:
         """The sink table's columns: name -> (exact type, type oid); None if missing."""
         assert self.conn is not None
         rows = self.conn.execute(
-            "SELECT a.attname, format_type(a.atttypid, a.atttypmod), a.atttypid::int,"
+            "SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod), a.atttypid::int,"
             " c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
             " LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0"
             "  AND NOT a.attisdropped"
@@ -799,20 +805,26 @@ class _Writer:
 
     def _create_table(self, table: sql.Composed, key: list[str] | None) -> None:
         assert self.conn is not None
-        self.conn.execute(
+        conn = self.conn
+        # Type text comes from the source server: accepted only as one plain type name the
+        # sink resolves itself (see sqlsafety). Untyped columns (a CSV source) become text.
+        types = [
+            sqlsafety.check_type_name(conn, c.name, c.type) if c.type else "text"
+            for c in self.source_columns
+        ]
+        conn.execute(
             sql.SQL("CREATE TABLE {} ({}{})").format(
                 table,
                 sql.SQL(", ").join(
-                    # Types come from format_type() on the source server; they are SQL
-                    # type text, not identifiers, so they are passed as SQL. Untyped
-                    # columns (a CSV source) become text.
-                    sql.SQL("{} {}").format(sql.Identifier(c.name), sql.SQL(c.type or "text"))  # type: ignore[arg-type]
-                    for c in self.source_columns
+                    sql.SQL("{} {}").format(sql.Identifier(c.name), sql.SQL(t))  # type: ignore[arg-type]
+                    for c, t in zip(self.source_columns, types, strict=True)
                 ),
                 sql.SQL(", PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, key)))
                 if key
                 else sql.SQL(""),
-            )
+            ),
+            # The extended protocol: one statement, never several.
+            binary=True,
         )
 
     def _prepare(self) -> None:
@@ -833,15 +845,28 @@ class _Writer:
                 raise PermanentError("cannot create the sink table: the source has no columns")
             key = self.spec.get("key") if self.mode == "upsert" else None
             # Inside the data transaction: a failed load leaves no half-made table behind.
-            # In a savepoint: two first runs may create it at once; the loser's CREATE waits
-            # for the winner's commit, fails on the catalog's unique index, and then uses
-            # the winner's table (a fresh statement in READ COMMITTED sees it).
-            try:
-                with conn.transaction():
-                    self._create_table(table, key)
-            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
-                pass
+            # Two first runs may create it at once: the second waits on a transaction lock
+            # for this table name until the first commits (or rolls back), then looks
+            # again. A creator that does not take the lock makes the loser's CREATE fail
+            # (duplicate table, duplicate type or a unique violation on the catalog) in a
+            # savepoint; the loser then uses the winner's table.
+            conn.execute(
+                "SELECT pg_catalog.pg_advisory_xact_lock("
+                "pg_catalog.hashtext(%s), pg_catalog.hashtext(%s))",
+                [self.schema, self.name],
+            )
             target = self._target_columns()
+            if target is None:
+                try:
+                    with conn.transaction():
+                        self._create_table(table, key)
+                except (
+                    psycopg.errors.UniqueViolation,
+                    psycopg.errors.DuplicateTable,
+                    psycopg.errors.DuplicateObject,
+                ):
+                    pass
+                target = self._target_columns()
             assert target is not None
         missing = [n for n in names if n not in target]
         if missing:

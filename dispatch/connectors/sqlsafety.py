@@ -1,0 +1,81 @@
+"""What a source database says may reach the sink's SQL text only through these checks.
+
+A source role controls its own `search_path` and may define functions that shadow the
+catalog's (`public.format_type`), so every connector session gets a safe `search_path`
+(the role's own schemas for resolving table names, but never ahead of `pg_catalog`, and
+`pg_temp` last), and a type name read from a source is accepted for the sink's
+`CREATE TABLE` only if it is a plain type name by a strict grammar (identifiers, quoted
+identifiers, numbers and `( ) , . [ ]`: no comment, no statement separator, no string) and
+the sink itself resolves it to a type (`::pg_catalog.regtype`, which parses exactly one type
+name and nothing else).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import psycopg
+
+from dispatch.connectors.base import PermanentError
+
+_TOKEN = re.compile(r'\s+|[A-Za-z_][A-Za-z0-9_$]*|"(?:[^"]|"")+"|[0-9]+|[(),.\[\]]')
+
+
+def split_search_path(value: str) -> list[str]:
+    """The entries of a `search_path` setting, unquoted ("$user" kept as written)."""
+    entries: list[str] = []
+    for part in re.findall(r'\s*("(?:[^"]|"")*"|[^,]+)\s*(?:,|$)', value):
+        part = part.strip()
+        if not part:
+            continue
+        if part.startswith('"') and part.endswith('"') and part != '"$user"':
+            part = part[1:-1].replace('""', '"')
+        entries.append(part)
+    return entries
+
+
+def _quote(entry: str) -> str:
+    if entry == '"$user"' or entry == "$user":
+        return '"$user"'
+    return '"' + entry.replace('"', '""') + '"'
+
+
+def set_safe_search_path(conn: psycopg.Connection[Any]) -> None:
+    """Keep the session's schemas for table names, drop any explicit `pg_catalog` (so it is
+    searched first, implicitly) and any `pg_temp`, and put `pg_temp` last. Only
+    schema-qualified functions are called to read and set it, with no operator."""
+    row = conn.execute("SELECT pg_catalog.current_setting('search_path')").fetchone()
+    current = str(row[0]) if row else ""
+    kept = [
+        e
+        for e in split_search_path(current)
+        if e.lower() != "pg_catalog" and not e.lower().startswith("pg_temp")
+    ]
+    path = ", ".join([*(_quote(e) for e in kept), "pg_temp"])
+    conn.execute("SELECT pg_catalog.set_config('search_path', %s, false)", [path])
+    conn.commit()
+
+
+def check_type_name(conn: psycopg.Connection[Any], column: str, type_text: str) -> str:
+    """`type_text` if it is one type name the sink knows; a permanent error naming the
+    column otherwise."""
+    pos = 0
+    while pos < len(type_text):
+        m = _TOKEN.match(type_text, pos)
+        if m is None:
+            raise PermanentError(
+                f"column {column}: the source's type {type_text[:80]!r} is not a plain type name"
+            )
+        pos = m.end()
+    if not type_text.strip():
+        raise PermanentError(f"column {column}: the source gave no type")
+    try:
+        with conn.transaction():
+            conn.execute("SELECT %s::pg_catalog.regtype", [type_text])
+    except psycopg.Error as exc:
+        raise PermanentError(
+            f"column {column}: type {type_text[:80]!r} is not a type on the sink "
+            f"({exc.diag.message_primary or type(exc).__name__})"
+        ) from None
+    return type_text
