@@ -117,3 +117,14 @@ def alert_retention_days() -> float:
 def maintenance_enabled() -> bool:
     """Whether `runworker` runs the maintenance loop (retention, health scan, alerts)."""
     return bool(getattr(settings, "DISPATCH_MAINTENANCE", True))
+
+
+def metrics_path() -> str:
+    """Where the site serves Prometheus metrics, relative to where `dispatch.urls` is
+    included ("": not served)."""
+    return str(getattr(settings, "DISPATCH_METRICS_PATH", "metrics"))
+
+
+def metrics_token() -> str:
+    """A bearer token that may read the metrics besides staff users ("": staff only)."""
+    return str(getattr(settings, "DISPATCH_METRICS_TOKEN", ""))

@@ -97,3 +97,36 @@ SELECT s.status,
        (SELECT r.created_at FROM dispatch_run r WHERE r.status = s.status
          ORDER BY r.created_at LIMIT 1)
   FROM unnest(ARRAY['SUCCEEDED', 'FAILED', 'CANCELLED']) AS s(status);
+
+-- name: metrics_live_runs
+-- Live runs by status: index dispatch_run_status_idx, only the live rows.
+SELECT s.status, (SELECT count(*) FROM dispatch_run r WHERE r.status = s.status)
+  FROM unnest(ARRAY['PENDING', 'RUNNING']) AS s(status);
+
+-- name: metrics_finished_last_hour
+-- Index dispatch_run_finished_idx: a range of one hour.
+SELECT status, count(*) FROM dispatch_run
+ WHERE finished_at > now() - interval '1 hour'
+ GROUP BY status;
+
+-- name: metrics_due
+-- Due PENDING attempts by binding and blocked reason (index dispatch_attempt_pending_idx:
+-- the due rows only), the bindings with the most first, at most %(limit)s series.
+SELECT b.name, coalesce(a.blocked_reason, 'NONE'), count(*),
+       EXTRACT(EPOCH FROM (clock_timestamp() - min(a.available_at)))::float8
+  FROM dispatch_attempt a
+  JOIN dispatch_run r ON r.id = a.run_id
+  JOIN dispatch_jobbinding b ON b.id = r.binding_id
+ WHERE a.status = 'PENDING' AND a.available_at <= clock_timestamp()
+ GROUP BY b.name, a.blocked_reason
+ ORDER BY count(*) DESC
+ LIMIT %(limit)s;
+
+-- name: metrics_live_workers
+SELECT stats FROM dispatch_worker
+ WHERE stopped_at IS NULL AND heartbeat_at > now() - interval '45 seconds';
+
+-- name: metrics_tables
+SELECT relname::text, n_live_tup, n_dead_tup FROM pg_stat_user_tables
+ WHERE relname IN ('dispatch_run', 'dispatch_attempt', 'dispatch_worker', 'dispatch_alert')
+ ORDER BY relname;
