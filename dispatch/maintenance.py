@@ -17,11 +17,16 @@ from collections.abc import Callable
 
 from django.db import connection
 
-from dispatch import retention
+from dispatch import conf, retention
 
 log = logging.getLogger("dispatch.maintenance")
 
-TICK_SECONDS = 1.0
+
+def tick_seconds() -> float:
+    """How often the loop looks: a tenth of the retention interval, between 1 s and 60 s,
+    so an idle worker spends about one statement a minute here at the defaults."""
+    return min(60.0, max(1.0, conf.retention_interval() / 10))
+
 
 # Tasks of one tick, in order. Each is called with no argument and gates itself.
 TASKS: list[tuple[str, Callable[[], object]]] = [
@@ -46,7 +51,7 @@ def run_once() -> dict[str, object]:
 def run_loop(stop_event: threading.Event) -> None:
     """Entry point of the worker's maintenance thread."""
     try:
-        while not stop_event.wait(TICK_SECONDS):
+        while not stop_event.wait(tick_seconds()):
             run_once()
     finally:
         connection.close()

@@ -148,7 +148,8 @@ def test_connection_budget__direct_worker_listen_main_heartbeat_and_one_per_busy
     tmp_path: Path,
 ) -> None:
     """The budget of docs/deployment.md, measured: a worker with 4 slots, 3 of them busy,
-    straight to PostgreSQL holds 1 LISTEN + 1 claims/recovery + 1 heartbeat + 3 slots."""
+    straight to PostgreSQL holds 1 LISTEN + 1 claims/recovery + 1 heartbeat + 1 maintenance
+    + 3 slots."""
     direct = Processes(tmp_path)
     # Its own application name: PgBouncer's server connections carry the default one.
     direct.env_overrides = {"DATABASE_URL": test_database_url() + "?application_name=w-budget"}
@@ -160,8 +161,9 @@ def test_connection_budget__direct_worker_listen_main_heartbeat_and_one_per_busy
             lambda: Attempt.objects.filter(run__in=runs, status=Status.RUNNING).count() == 3,
             message="three slots busy",
         )
-        # The heartbeat thread connects on its first beat (a claim wakes it at once).
-        wait_until(lambda: _backends("w-budget") == 5, message="5 working connections")
+        # The heartbeat thread connects on its first beat (a claim wakes it at once), the
+        # maintenance thread on its first tick.
+        wait_until(lambda: _backends("w-budget") == 6, message="6 working connections")
         assert _backends("dispatch-listen w-budget") == 1
     finally:
         direct.stop_all()
