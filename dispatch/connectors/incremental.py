@@ -25,6 +25,7 @@ import psycopg
 from django.core.exceptions import ValidationError
 from psycopg import sql
 
+from dispatch.connectors import sqlsafety
 from dispatch.connectors.base import PermanentError, TransientError
 
 # Cursor values are stored and passed as PostgreSQL text (what `column::text` prints).
@@ -279,22 +280,18 @@ def cursor_table(schema: str) -> sql.Composed:
 
 
 def ensure_table(conn: psycopg.Connection[Any], schema: str) -> None:
-    """Create `dispatch_cursor` if missing (in a transaction of its own)."""
-    for tries in range(2):
-        try:
-            with conn.transaction():
-                conn.execute(
-                    sql.SQL(
-                        "CREATE TABLE IF NOT EXISTS {} (binding_id uuid PRIMARY KEY,"
-                        " columns text[], cursor text[], version bigint NOT NULL DEFAULT 0,"
-                        " run_id uuid, attempt_id uuid, committed_at timestamptz)"
-                    ).format(cursor_table(schema))
-                )
-            return
-        except psycopg.errors.UniqueViolation:
-            # Two first writers created it at once; the second pass sees it.
-            if tries:
-                raise
+    """Create `dispatch_cursor` if missing (in a transaction of its own; two first
+    writers at once are serialised, see sqlsafety.create_once)."""
+    sqlsafety.create_once(
+        conn,
+        "dispatch_cursor",
+        schema,
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} (binding_id uuid PRIMARY KEY,"
+            " columns text[], cursor text[], version bigint NOT NULL DEFAULT 0,"
+            " run_id uuid, attempt_id uuid, committed_at timestamptz)"
+        ).format(cursor_table(schema)),
+    )
 
 
 _SELECT = (

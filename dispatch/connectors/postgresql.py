@@ -704,31 +704,16 @@ class _Writer:
         assert self.conn is not None
         fence = self.ctx.fence
         conn = self.conn
-        for tries in range(2):
-            try:
-                with conn.transaction():
-                    # Serialise first uses of this fence table: CREATE ... IF NOT EXISTS is
-                    # not atomic against a concurrent creation (the loser fails with a
-                    # duplicate table or a unique violation on the catalog). Under the lock
-                    # the second creator sees the first one's committed table.
-                    conn.execute(
-                        "SELECT pg_catalog.pg_advisory_xact_lock("
-                        "pg_catalog.hashtext(%s), pg_catalog.hashtext(%s))",
-                        ["dispatch_fence", self.schema],
-                    )
-                    conn.execute(
-                        sql.SQL(
-                            "CREATE TABLE IF NOT EXISTS {} (run_id uuid PRIMARY KEY,"
-                            " binding_id uuid, token bigint NOT NULL, attempt_id uuid,"
-                            " committed_at timestamptz)"
-                        ).format(self._fence_table)
-                    )
-                break
-            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
-                # A creator that does not take the lock (an older worker): the second
-                # pass sees its table.
-                if tries:
-                    raise
+        sqlsafety.create_once(
+            conn,
+            "dispatch_fence",
+            self.schema,
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (run_id uuid PRIMARY KEY,"
+                " binding_id uuid, token bigint NOT NULL, attempt_id uuid,"
+                " committed_at timestamptz)"
+            ).format(self._fence_table),
+        )
         # The committed cursors of incremental reads live beside the fence; made here, in
         # a transaction of its own, so no data transaction ever holds its creation.
         incremental.ensure_table(conn, self.schema)

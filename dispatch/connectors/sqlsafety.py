@@ -79,3 +79,29 @@ def check_type_name(conn: psycopg.Connection[Any], column: str, type_text: str) 
             f"({exc.diag.message_primary or type(exc).__name__})"
         ) from None
     return type_text
+
+
+def create_once(conn: psycopg.Connection[Any], name: str, schema: str, statement: Any) -> None:
+    """Run a first-use `CREATE ... IF NOT EXISTS` of the table `name` in `schema`, in a
+    transaction of its own. CREATE ... IF NOT EXISTS is not atomic against a concurrent
+    creation (the loser fails with a duplicate table, a duplicate type or a unique
+    violation on the catalog), so creators serialise on a transaction lock for the name;
+    under it the second creator sees the first one's committed table. A creator that does
+    not take the lock (an older worker) is caught, and the second pass sees its table."""
+    for tries in range(2):
+        try:
+            with conn.transaction():
+                conn.execute(
+                    "SELECT pg_catalog.pg_advisory_xact_lock("
+                    "pg_catalog.hashtext(%s), pg_catalog.hashtext(%s))",
+                    [name, schema],
+                )
+                conn.execute(statement)
+            return
+        except (
+            psycopg.errors.UniqueViolation,
+            psycopg.errors.DuplicateTable,
+            psycopg.errors.DuplicateObject,
+        ):
+            if tries:
+                raise
