@@ -160,7 +160,7 @@ def test_console_pages_at_scale_are_bounded(admin_client: Client) -> None:
             response = admin_client.get(url)
         assert response.status_code == 200, url
         costs = check_queries(url, ctx.captured_queries)
-        report.append((url, len(ctx.captured_queries), max((c for c, _ in costs), default=0)))
+        report.append((url, len(ctx.captured_queries), int(max((c for c, _ in costs), default=0))))
     # A capped count, not the exact one, on a list of more than the cap.
     assert "10001 runs" in admin_client.get(runs).content.decode()
     print("\n".join(f"{n:3d} queries, at most {buf:6d} rows read  {url}" for url, n, buf in report))

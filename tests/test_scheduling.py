@@ -42,6 +42,18 @@ def make(binding: JobBinding | None = None, **kwargs: Any) -> Schedule:
     return Schedule.objects.create(binding=binding or BindingFactory(), **kwargs)
 
 
+def due_now(**kwargs: Any) -> tuple[Schedule, datetime]:
+    """A daily schedule whose slot is the current minute, due now.
+
+    Daily, not every minute: a pass that runs just after a minute boundary still sees
+    this one slot only.
+    """
+    due = minute(db_now())
+    schedule = make(cron=f"{due.minute} {due.hour} * * *", **kwargs)
+    move(schedule, due)
+    return schedule, due
+
+
 def move(schedule: Schedule, next_fire_at: datetime | None) -> None:
     """Simulate time: put next_fire_at where a reconciler that was away would find it."""
     Schedule.objects.filter(pk=schedule.pk).update(next_fire_at=next_fire_at)
@@ -289,20 +301,18 @@ def test_overlap_queue__creates_every_run_which_waits() -> None:
 # --- disabled binding or job at fire time -----------------------------------------------------------
 @pytest.mark.parametrize("what", ["binding", "job"])
 def test_disabled_binding_or_job__no_run_and_skip_recorded(what: str) -> None:
-    schedule = make()
+    schedule, due = due_now()
     if what == "binding":
         JobBinding.objects.filter(pk=schedule.binding_id).update(enabled=False)
     else:
         Job.objects.filter(pk=schedule.binding.job_id).update(enabled=False)
-    due = minute(db_now())
-    move(schedule, due)
     report = ScheduleReconciler().run_once()
     reason = SkipReason.BINDING_DISABLED if what == "binding" else SkipReason.JOB_DISABLED
     assert [(s.slot, s.reason) for s in report.skipped] == [(due, reason)]
     assert runs_of(schedule) == []
     schedule.refresh_from_db()
     assert (schedule.skip_count, schedule.last_skip_reason) == (1, reason)
-    assert schedule.next_fire_at == due + timedelta(minutes=1)
+    assert schedule.next_fire_at == due + timedelta(days=1)
 
 
 # --- DST, fired by the reconciler ----------------------------------------------------------------
@@ -352,9 +362,7 @@ def test_daily_0230__reconciler_fires_once_per_day_across_the_transitions(tz_nam
 
 # --- the command ---------------------------------------------------------------------------------
 def test_reconcile_schedules__prints_what_it_did() -> None:
-    schedule = make()
-    due = minute(db_now())
-    move(schedule, due)
+    schedule, due = due_now()
     out = StringIO()
     call_command("reconcile_schedules", stdout=out)
     (run,) = runs_of(schedule)
@@ -368,9 +376,7 @@ def test_reconcile_schedules__prints_what_it_did() -> None:
 
 def test_reconciler__survives_a_schedule_it_cannot_evaluate() -> None:
     broken = make()
-    good = make()
-    due = minute(db_now())
-    move(good, due)
+    good, due = due_now()
     # Written behind the model's back: the reconciler logs it and goes on.
     Schedule.objects.filter(pk=broken.pk).update(cron="99 * * * *", next_fire_at=due)
     report = ScheduleReconciler().run_once()
