@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import queue
 import select
@@ -384,9 +385,12 @@ class WorkerDispatchCoordinator:
             claimed.directed,
         )
         self._queue.put(execution)
-        if claimed.lease_seconds / 3 < self._heartbeat_waiting:
-            # The heartbeat thread waits longer than this lease allows: wake it to
-            # recompute (otherwise a claim costs no extra heartbeat).
+        soonest = claimed.lease_seconds / 3
+        if claimed.timeout_seconds:
+            soonest = min(soonest, claimed.timeout_seconds)
+        if soonest < self._heartbeat_waiting:
+            # The heartbeat thread waits longer than this lease (or timeout) allows: wake
+            # it to recompute (otherwise a claim costs no extra heartbeat).
             self._heartbeat_now.set()
 
     def _reap(self) -> int:
@@ -676,13 +680,41 @@ class WorkerDispatchCoordinator:
             leases = [e.control.lease_seconds for e in self.executions.values()]
         return min(leases) / 3 if leases else IDLE_HEARTBEAT_SECONDS
 
+    def _enforce_stops(self) -> float | None:
+        """Time out what is past its deadline, and interrupt again what was told to stop
+        but still runs (a statement may have started just after the last interrupt).
+        The executor thread may be blocked in a connector's statement, where it checks
+        nothing: this thread stops it. Returns the nearest deadline still ahead."""
+        with self._lock:
+            held = [e for e in self.executions.values() if not e.done.is_set()]
+        nearest: float | None = None
+        for e in held:
+            stopping = e.control.cause is not None
+            if e.control.should_stop():  # a passed deadline stops it (and interrupts) here
+                if stopping:
+                    e.control.interrupt()
+                continue
+            deadline = e.control.next_deadline()
+            if deadline is not None and (nearest is None or deadline < nearest):
+                nearest = deadline
+        return nearest
+
     def _heartbeat_loop(self) -> None:
+        next_beat = math.inf
         while not self._stop_threads.is_set():
-            self._heartbeat_waiting = self._heartbeat_interval()
-            self._heartbeat_now.wait(self._heartbeat_waiting)
+            deadline = self._enforce_stops()
+            interval = self._heartbeat_interval()
+            now = time.monotonic()
+            next_beat = min(next_beat, now + interval)
+            wake = next_beat if deadline is None else min(next_beat, deadline)
+            self._heartbeat_waiting = max(0.0, wake - now)
+            woken = self._heartbeat_now.wait(self._heartbeat_waiting)
             self._heartbeat_now.clear()
             if self._stop_threads.is_set():
                 break
+            if not woken and time.monotonic() < next_beat:
+                continue  # woken for a deadline only: no heartbeat is due yet
+            next_beat = time.monotonic() + interval
             try:
                 self.heartbeat_once()
             except DB_ERRORS as exc:

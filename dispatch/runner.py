@@ -57,11 +57,55 @@ class ExecutionControl:
         self.rows_written = 0
         self.cause: StopCause | None = None
         self._event = threading.Event()
+        # Called (from whichever thread stops the execution) to interrupt what the
+        # execution thread is blocked in: a connector's running statement or COPY.
+        self._interrupts: dict[int, Callable[[], None]] = {}
+        self._interrupts_lock = threading.Lock()
+        self._next_interrupt = 0
 
     def stop(self, cause: StopCause) -> None:
+        first = not self._event.is_set()
         if self.cause is None:
             self.cause = cause
         self._event.set()
+        if first:
+            self.interrupt()
+
+    def on_stop(self, interrupt: Callable[[], None]) -> Callable[[], None]:
+        """Register `interrupt` to be called when the execution is told to stop (at once
+        if it already was); returns the function that unregisters it."""
+        with self._interrupts_lock:
+            key = self._next_interrupt
+            self._next_interrupt += 1
+            self._interrupts[key] = interrupt
+        if self._event.is_set():
+            self._call(interrupt)
+
+        def unregister() -> None:
+            with self._interrupts_lock:
+                self._interrupts.pop(key, None)
+
+        return unregister
+
+    def interrupt(self) -> None:
+        """Call every registered interrupt. The coordinator repeats this while a stopped
+        execution is still running: a statement started just after one interrupt (which
+        found nothing running) is interrupted by the next."""
+        with self._interrupts_lock:
+            interrupts = list(self._interrupts.values())
+        for interrupt in interrupts:
+            self._call(interrupt)
+
+    @staticmethod
+    def _call(interrupt: Callable[[], None]) -> None:
+        try:
+            interrupt()
+        except Exception as exc:  # noqa: BLE001 - an interrupt is best effort
+            log.warning("interrupting the running statement failed error=%s", type(exc).__name__)
+
+    def next_deadline(self) -> float | None:
+        """The monotonic time this execution times out, unless it is already stopping."""
+        return None if self._event.is_set() else self.deadline
 
     def should_stop(self) -> bool:
         if self.deadline is not None and time.monotonic() >= self.deadline:
@@ -127,6 +171,9 @@ class Context:
 
     def should_stop(self) -> bool:
         return self.control.should_stop()
+
+    def on_stop(self, interrupt: Callable[[], None]) -> Callable[[], None]:
+        return self.control.on_stop(interrupt)
 
     def wait(self, seconds: float) -> None:
         if self.control.wait(seconds):

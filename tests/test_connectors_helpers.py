@@ -4,7 +4,7 @@ transfer context, and a transfer driven the way the runner drives it."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +115,7 @@ class Ctx:
     rows_read: int = 0
     rows_written: int = 0
     stop: bool = False
+    interrupts: list[Callable[[], None]] = field(default_factory=list)
 
     def progress(self, *, rows_read: int = 0, rows_written: int = 0) -> None:
         self.rows_read += rows_read
@@ -124,6 +125,10 @@ class Ctx:
 
     def should_stop(self) -> bool:
         return self.stop
+
+    def on_stop(self, interrupt: Callable[[], None]) -> Callable[[], None]:
+        self.interrupts.append(interrupt)
+        return lambda: self.interrupts.remove(interrupt)
 
     def wait(self, seconds: float) -> None:
         if self.stop:

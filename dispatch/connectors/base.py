@@ -8,7 +8,7 @@ takes them and commits once at the end.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -86,6 +86,12 @@ class TransferContext(Protocol):
         """Add to the counters; raises `Stopped` when the transfer must stop."""
 
     def should_stop(self) -> bool: ...
+
+    def on_stop(self, interrupt: Callable[[], None]) -> Callable[[], None]:
+        """Register `interrupt`, called from another thread when the transfer must stop
+        (at once if it already must), to break out of a blocking call: a connector
+        cancels its running statement. It may be called more than once. Returns the
+        function that unregisters it; call that before closing what it interrupts."""
 
     def wait(self, seconds: float) -> None:
         """Sleep, returning early (with `Stopped`) when the transfer must stop."""

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import select
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +32,7 @@ from dispatch.connectors.base import (
     FenceRejected,
     LeaseLost,
     PermanentError,
+    Stopped,
     TransferContext,
     TransientError,
     WriteResult,
@@ -49,6 +51,9 @@ COPY_BLOCK_BYTES = 1 << 20
 CONNECT_TIMEOUT_SECONDS = 10
 DEFAULT_STATEMENT_TIMEOUT_SECONDS = 3600
 DEFAULT_LOCK_TIMEOUT_SECONDS = 10
+# How long a cancel request may take to reach the server (it runs on the worker's
+# heartbeat thread, which must not hang on an unreachable host).
+CANCEL_TIMEOUT_SECONDS = 5.0
 
 # SQLSTATE classes (first two characters) and codes whose retry cannot help.
 _PERMANENT_CLASSES = {"28", "3D", "3F", "42", "22", "23", "0A", "2B", "44"}
@@ -431,7 +436,7 @@ class PostgreSQLConnector(Connector):
     def open_reader(
         cls, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext
     ) -> Iterator[Any]:
-        reader = _Reader(config, spec)
+        reader = _Reader(config, spec, ctx)
         try:
             reader.open()
             yield reader
@@ -474,16 +479,57 @@ def _strip_query(query: str) -> str:
     return query.strip().rstrip(";").strip()
 
 
+class _Canceller:
+    """Cancels the statement (or COPY) running on a connector's connection when the
+    execution is told to stop: a timeout, an operator's cancel, a lost lease, a release.
+
+    The interrupt runs on another thread than the transfer. The lock keeps it from using
+    the connection while the transfer thread closes it.
+    """
+
+    def __init__(self, ctx: TransferContext | None) -> None:
+        self._ctx = ctx
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._unregister: Callable[[], None] | None = None
+
+    def attach(self, conn: psycopg.Connection[Any]) -> None:
+        with self._lock:
+            self._conn = conn
+        if self._ctx is not None:
+            self._unregister = self._ctx.on_stop(self._interrupt)
+            if self._ctx.should_stop():
+                raise Stopped("stop requested while connecting")
+
+    def _interrupt(self) -> None:
+        with self._lock:
+            if self._conn is not None and not self._conn.closed:
+                self._conn.cancel_safe(timeout=CANCEL_TIMEOUT_SECONDS)
+
+    def close(self, conn: psycopg.Connection[Any]) -> None:
+        if self._unregister is not None:
+            self._unregister()
+            self._unregister = None
+        with self._lock:
+            self._conn = None
+            # An unfinished COPY or transaction is abandoned: closing rolls back.
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
 # --- reader ---------------------------------------------------------------------------------
 class _Reader:
     """One connection, one REPEATABLE READ READ ONLY transaction: every row comes from the
     same snapshot, and a query that tries to write fails (permanently)."""
 
-    def __init__(self, config: dict[str, Any], spec: dict[str, Any]) -> None:
+    def __init__(
+        self, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext | None = None
+    ) -> None:
         self.config = config
         self.spec = spec
         self.secrets = _secrets(config)
         self.conn: psycopg.Connection[Any] | None = None
+        self._canceller = _Canceller(ctx)
         self.columns: list[Column] = []
         self.oids: list[int] = []
         # An incremental read (dispatch/connectors/incremental.py): `bound()` decides the
@@ -503,6 +549,7 @@ class _Reader:
 
     def open(self) -> None:
         self.conn = connect(self.config, what="source connect")
+        self._canceller.attach(self.conn)
         with _errors(self.secrets, "source"):
             _set_timeouts(self.conn, self.spec)
             if self.spec.get("query") and targets.query_sources_least_privilege():
@@ -545,8 +592,8 @@ class _Reader:
 
     def close(self) -> None:
         if self.conn is not None:
-            self.conn.close()
-            self.conn = None
+            conn, self.conn = self.conn, None
+            self._canceller.close(conn)
 
     def _copy_sql(self, fmt: str) -> sql.Composed:
         if self._plan is not None and self.bounds is None:
@@ -662,6 +709,7 @@ class _Writer:
         self.config = config
         self.spec = spec
         self.ctx = ctx
+        self._canceller = _Canceller(ctx)
         self.source_columns = columns
         self.secrets = _secrets(config)
         self.mode = spec.get("mode", "append")
@@ -683,6 +731,7 @@ class _Writer:
     # -- set-up --------------------------------------------------------------------------
     def open(self) -> None:
         self.conn = connect(self.config, what="sink connect")
+        self._canceller.attach(self.conn)
         with _errors(self.secrets, "sink"):
             _set_timeouts(self.conn, self.spec)
             schema, self.name = parse_table(self.spec["table"])
@@ -1047,9 +1096,7 @@ class _Writer:
         if self.conn is None:
             return
         conn, self.conn = self.conn, None
-        # An unfinished COPY or transaction is abandoned: closing the connection rolls back.
-        with contextlib.suppress(Exception):
-            conn.close()
+        self._canceller.close(conn)
 
 
 def _json_text(value: Any) -> Any:
