@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import connection
+from django.db import connection, transaction
 
 from dispatch.sqlfiles import query
 
@@ -125,6 +125,29 @@ def heartbeat(
             },
         )
         return {row[0]: Beat(*row) for row in cursor.fetchall()}
+
+
+def heartbeat_and_peers(
+    stale_seconds: float,
+    worker_id: str,
+    held: Sequence[tuple[uuid.UUID, int, int, int]],
+    stats: dict[str, Any],
+) -> tuple[dict[uuid.UUID, Beat], tuple[str, ...]]:
+    """The heartbeat, and in the same transaction the live workers that reported a free
+    slot (for ranking notifications)."""
+    with transaction.atomic():
+        beats = heartbeat(worker_id, held, stats)
+        with connection.cursor() as cursor:
+            cursor.execute(query("live_workers"), {"stale": stale_seconds})
+            peers = tuple(row[0] for row in cursor.fetchall())
+    return beats, peers
+
+
+def claimable(run_id: uuid.UUID) -> bool:
+    """Whether the run has a due, unblocked PENDING attempt now (a read, no lock)."""
+    with connection.cursor() as cursor:
+        cursor.execute(query("claimable"), {"run": run_id})
+        return cursor.fetchone() is not None
 
 
 def recover(limit: int = 500) -> list[Recovered]:

@@ -151,14 +151,29 @@ def test_claim__disabled_job_or_datasource_blocks_with_reason(disable, reason):
     binding = BindingFactory()
     run = trigger(binding)
     target = getattr(binding, disable)
+    # The mark is written by the disabling statement itself (a trigger), whatever wrote
+    # it: here a bulk update behind the model's back. The refresh finds nothing stale.
     type(target).objects.filter(pk=target.pk).update(enabled=False)
-    assert claims.claim("w1", limit=1) == []
-    assert claims.refresh_blocked() == 1
     assert Attempt.objects.get(run=run).blocked_reason == reason
+    assert claims.claim("w1", limit=1) == []
+    assert claims.refresh_blocked() == 0
     type(target).objects.filter(pk=target.pk).update(enabled=True)
-    claims.refresh_blocked()
     assert Attempt.objects.get(run=run).blocked_reason is None
     assert claim_one(limit=1).run_id == run.id
+
+
+def test_refresh_blocked__repairs_a_stale_mark_either_way():
+    enabled, disabled = BindingFactory(), BindingFactory()
+    waiting, blocked = trigger(enabled), trigger(disabled)
+    JobBinding.objects.filter(pk=disabled.pk).update(enabled=False)
+    # Marks as a race between two enables (or an enable and a claim) can leave them.
+    Attempt.objects.filter(run=waiting).update(blocked_reason=BlockedReason.JOB_DISABLED)
+    Attempt.objects.filter(run=blocked).update(blocked_reason=None)
+    assert claims.claim("w1", limit=5) == []  # the stale mark hides the eligible one
+    assert claims.refresh_blocked() == 2
+    assert Attempt.objects.get(run=waiting).blocked_reason is None
+    assert Attempt.objects.get(run=blocked).blocked_reason == BlockedReason.BINDING_DISABLED
+    assert [c.run_id for c in claims.claim("w1", limit=5)] == [waiting.id]
 
 
 def test_claim__blocked_work_never_starves_other_work():
@@ -280,3 +295,16 @@ def test_datasource__saving_other_fields_never_writes_back_a_stale_config():
     stale.save()  # loaded before the edit: must not restore version 1's ciphertext
     current = Datasource.objects.get(pk=source.pk)
     assert (current.name, current.version, current.config) == ("renamed-elsewhere", 2, {"v": 2})
+
+
+def test_claim__work_unblocked_after_a_disable_runs_in_its_order():
+    binding = BindingFactory(max_concurrency=10)
+    first = [trigger(binding).id for _ in range(3)]
+    JobBinding.objects.filter(pk=binding.pk).update(enabled=False)
+    assert set(
+        Attempt.objects.filter(run_id__in=first).values_list("blocked_reason", flat=True)
+    ) == {BlockedReason.BINDING_DISABLED}
+    later = trigger(BindingFactory(max_concurrency=10)).id  # newer than the blocked ones
+    assert [c.run_id for c in claims.claim("w1", limit=10)] == [later]
+    JobBinding.objects.filter(pk=binding.pk).update(enabled=True)
+    assert [c.run_id for c in claims.claim("w1", limit=10)] == first

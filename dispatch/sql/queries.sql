@@ -2,8 +2,8 @@
 -- with dispatch.sqlfiles.query(); parameters are %(name)s placeholders.
 
 -- name: claim
--- The claim, in one round trip (see dispatch_claim_v1).
-SELECT * FROM dispatch_claim_v1(%(worker)s, %(run)s, %(limit)s, %(generic)s);
+-- The claim, in one round trip (see dispatch_claim_v3).
+SELECT * FROM dispatch_claim_v3(%(worker)s, %(run)s, %(limit)s, %(generic)s);
 
 -- name: settle
 -- A guarded settlement of one attempt (see dispatch_settle_v2); NULL = lease lost.
@@ -20,8 +20,25 @@ SELECT * FROM dispatch_heartbeat_v1(%(worker)s, %(attempts)s::uuid[], %(tokens)s
                                     %(rows_read)s::bigint[], %(rows_written)s::bigint[],
                                     %(stats)s::jsonb);
 
+-- name: live_workers
+-- Workers that heartbeated within %(stale)s seconds, are not stopped and reported a free
+-- slot: the candidates of the notification ranking (dispatch.coordinator.rank).
+SELECT id FROM dispatch_worker
+ WHERE stopped_at IS NULL
+   AND heartbeat_at > clock_timestamp() - make_interval(secs => %(stale)s)
+   AND coalesce((stats ->> 'free_slots')::int, 1) > 0;
+
+-- name: claimable
+-- The handoff check: does the run still have a due, unblocked PENDING attempt? Through
+-- the unique live-attempt index.
+SELECT 1 FROM dispatch_attempt
+ WHERE run_id = %(run)s AND status IN ('PENDING', 'RUNNING') AND status = 'PENDING'
+   AND available_at <= clock_timestamp() AND blocked_reason IS NULL;
+
 -- name: refresh_blocked
-SELECT dispatch_refresh_blocked_v1();
+-- Repairs stale eligibility marks; bounded by the number of bindings (see
+-- dispatch_refresh_blocked_v3).
+SELECT dispatch_refresh_blocked_v3();
 
 -- name: next_available_in
 -- Seconds until the earliest future PENDING attempt becomes due (by database time), for
