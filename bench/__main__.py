@@ -13,6 +13,7 @@ HERE = Path(__file__).resolve().parent
 # What `python -m bench all` (and `make bench`) runs, in this order.
 ALL: list[str] = [
     "throughput",
+    "backlog",
     "latency",
     "claimcost",
     "contention",

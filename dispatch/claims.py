@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 
 from dispatch.sqlfiles import query
 
@@ -98,6 +98,41 @@ def settle(
         )
         (status,) = cursor.fetchone()
     return status
+
+
+def settle_and_claim(
+    attempt_id: uuid.UUID,
+    token: int,
+    outcome: str,
+    *,
+    worker_id: str,
+    limit: int,
+    reason: str | None = None,
+    error: str | None = None,
+    rows_read: int | None = None,
+    rows_written: int | None = None,
+) -> tuple[str | None, list[ClaimedAttempt]]:
+    """Settle an attempt and claim up to `limit` more in the same transaction: the slot
+    the settlement frees is refilled without a transaction of its own. The claim runs in
+    a savepoint: if it fails, the settlement still commits (and nothing is claimed)."""
+    with transaction.atomic():
+        status = settle(
+            attempt_id,
+            token,
+            outcome,
+            reason=reason,
+            error=error,
+            rows_read=rows_read,
+            rows_written=rows_written,
+        )
+        claimed: list[ClaimedAttempt] = []
+        if limit > 0:
+            try:
+                with transaction.atomic():
+                    claimed = claim(worker_id, limit=limit)
+            except DatabaseError:
+                claimed = []
+    return status, claimed
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ the database as durations and are kept on the local monotonic clock.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -51,6 +52,11 @@ log = logging.getLogger("dispatch.worker")
 DB_ERRORS: tuple[type[BaseException], ...] = (DjangoDBError, psycopg.Error)
 # Heartbeat of the worker row when it holds no attempt.
 IDLE_HEARTBEAT_SECONDS = 5.0
+# Notifications: the worker ranked second for a run looks again this long after the
+# notification, in case the first-ranked one could not take it (busy, stopping, gone).
+HANDOFF_SECONDS = 1.0
+# A peer whose heartbeat is older than this is left out of the ranking.
+PEER_STALE_SECONDS = 3 * IDLE_HEARTBEAT_SECONDS
 RECONNECT_MAX_SECONDS = 10.0
 
 
@@ -63,6 +69,28 @@ class Execution:
     claimed: ClaimedAttempt
     control: ExecutionControl
     done: threading.Event = field(default_factory=threading.Event)
+    # Its settlement also claimed for its slot (dispatch.claims.settle_and_claim): no
+    # refill claim is needed when it is reaped.
+    refilled: bool = False
+
+
+class _SlotRefill:
+    """The Refill a runner uses to claim its slot's next attempt in its settlement."""
+
+    def __init__(self, coordinator: WorkerDispatchCoordinator) -> None:
+        self.coordinator = coordinator
+        self.worker_id = coordinator.worker_id
+
+    def limit(self) -> int:
+        c = self.coordinator
+        return 0 if c.stopping or c.burst else 1
+
+    def adopt(self, claimed: list[ClaimedAttempt]) -> None:
+        c = self.coordinator
+        for attempt in claimed:
+            c._start(attempt)
+        c._count("claims_generic", len(claimed))
+        c._count("claims_at_settlement", len(claimed))
 
 
 @dataclass
@@ -133,6 +161,10 @@ class WorkerDispatchCoordinator:
         self._threads: list[threading.Thread] = []
         # How long the heartbeat thread is waiting this time (seconds).
         self._heartbeat_waiting = IDLE_HEARTBEAT_SECONDS
+        # Live workers with a free slot, as the last heartbeat read them (this one
+        # included), for ranking notifications; and the runs this worker is second for.
+        self._peers: tuple[str, ...] = ()
+        self._handoffs: dict[uuid.UUID, float] = {}
 
     # --- lifecycle ----------------------------------------------------------------------
     def run(self) -> int:
@@ -306,9 +338,32 @@ class WorkerDispatchCoordinator:
             self._refill = True
         return report
 
+    def rank(self, run_id: uuid.UUID) -> int:
+        """This worker's place among the live workers with a free slot for one run:
+        rendezvous hashing, so every worker computes the same order from the same view
+        and each run has its own first choice (docs/architecture.md, "One claim per
+        notification")."""
+        with self._lock:
+            peers = set(self._peers)
+        peers.add(self.worker_id)
+        if len(peers) == 1:
+            return 0
+        order = sorted(
+            peers,
+            key=lambda w: hashlib.blake2b(run_id.bytes + w.encode(), digest_size=8).digest(),
+            reverse=True,
+        )
+        return order.index(self.worker_id)
+
     def _admit(self, notifications: list[uuid.UUID], report: TickReport, now: float) -> None:
-        held_runs = {e.claimed.run_id for e in self.executions.values()}
+        # Executor threads add executions too (a settlement that claimed): read under
+        # the lock.
+        with self._lock:
+            held_runs = {e.claimed.run_id for e in self.executions.values()}
         generic_exhausted = False
+        due_handoffs = [r for r, at in self._handoffs.items() if now >= at]
+        for run_id in due_handoffs:
+            del self._handoffs[run_id]
         for run_id in dict.fromkeys(notifications):  # duplicates in one read are one hint
             if run_id in held_runs:
                 # Our own run: probably a cancel request. Heartbeat now to learn it.
@@ -317,14 +372,41 @@ class WorkerDispatchCoordinator:
             if self._free() <= 0:
                 self._count("notifications_without_slot")
                 continue
-            got = self._claim(run_id=run_id, generic=not generic_exhausted)
-            hit = any(c.directed for c in got)
-            report.claimed += len(got)
-            report.directed_hits += hit
-            report.directed_misses += not hit
-            self._count("directed_hits" if hit else "directed_misses")
-            if len(got) - hit == 0 and self._free() > 0:
+            place = self.rank(run_id)
+            if place > 0:
+                # Another worker is first for this run: one claim per notification, not
+                # one per worker. The second looks again after HANDOFF_SECONDS.
+                if place == 1:
+                    self._handoffs[run_id] = now + HANDOFF_SECONDS
+                self._count("notifications_left_to_peers")
+                continue
+            if self._claim_notified(run_id, report, generic_exhausted) == 0 and self._free() > 0:
                 generic_exhausted = True  # no more generic work right now
+        for run_id in due_handoffs:
+            if self._free() <= 0 or run_id in held_runs:
+                continue
+            self._count("handoff_checks")
+            if claims.claimable(run_id):
+                self._claim_notified(run_id, report, generic_exhausted)
+        self._admit_generic(report, now, generic_exhausted)
+
+    def _claim_notified(
+        self, run_id: uuid.UUID, report: TickReport, generic_exhausted: bool
+    ) -> int:
+        """A directed claim of one attempt: the notified run's, or on a miss the oldest
+        eligible one (unless generic work is exhausted). One slot only: filling the others
+        with generic work would take runs whose first-ranked workers are claiming them
+        now, and turn their directed claims into misses. Returns how many generic attempts
+        came with it."""
+        got = self._claim(run_id=run_id, generic=not generic_exhausted, limit=1)
+        hit = any(c.directed for c in got)
+        report.claimed += len(got)
+        report.directed_hits += hit
+        report.directed_misses += not hit
+        self._count("directed_hits" if hit else "directed_misses")
+        return len(got) - hit
+
+    def _admit_generic(self, report: TickReport, now: float, generic_exhausted: bool) -> None:
         timer_due = self._timer is not None and now >= self._timer
         if self._free() > 0 and (self._refill or now >= self._next_poll or timer_due):
             if timer_due:
@@ -338,12 +420,18 @@ class WorkerDispatchCoordinator:
         return self.concurrency - len(self.executions)
 
     def _claim(
-        self, *, run_id: uuid.UUID | None = None, generic: bool = True, set_timer: bool = True
+        self,
+        *,
+        run_id: uuid.UUID | None = None,
+        generic: bool = True,
+        set_timer: bool = True,
+        limit: int | None = None,
     ) -> list[ClaimedAttempt]:
-        free = self._free()
+        free = self._free() if limit is None else min(limit, self._free())
         if free <= 0:
             return []
         got = claims.claim(self.worker_id, run_id=run_id, limit=free, generic=generic)
+        self._count("claim_calls")
         for claimed in got:
             self._start(claimed)
         generic_got = [c for c in got if not c.directed]
@@ -394,11 +482,12 @@ class WorkerDispatchCoordinator:
             self._heartbeat_now.set()
 
     def _reap(self) -> int:
-        finished = [e for e in list(self.executions.values()) if e.done.is_set()]
+        with self._lock:
+            finished = [e for e in self.executions.values() if e.done.is_set()]
         with self._lock:
             for e in finished:
                 self.executions.pop(e.claimed.attempt_id, None)
-        if finished:
+        if any(not e.refilled for e in finished):
             self._refill = True
         return len(finished)
 
@@ -432,7 +521,9 @@ class WorkerDispatchCoordinator:
     def _release_all(self) -> None:
         """End of the grace period: release what is still running so that another worker
         can take it at once (fenced: if the execution commits first, it wins)."""
-        for execution in list(self.executions.values()):
+        with self._lock:
+            running = list(self.executions.values())
+        for execution in running:
             execution.control.stop(StopCause.RELEASED)
             c = execution.claimed
             try:
@@ -556,6 +647,8 @@ class WorkerDispatchCoordinator:
                 deadlines.append(self._next_poll)
                 if self._timer is not None:
                     deadlines.append(self._timer)
+                if self._handoffs:
+                    deadlines.append(min(self._handoffs.values()))
         elif self._drain_deadline is not None:
             deadlines.append(self._drain_deadline)
         if self._listen is None:
@@ -602,9 +695,15 @@ class WorkerDispatchCoordinator:
             if execution is None:
                 break
             try:
-                runner = Runner(execution.claimed, execution.control, on_event=self._on_event)
+                runner = Runner(
+                    execution.claimed,
+                    execution.control,
+                    on_event=self._on_event,
+                    refill=_SlotRefill(self),
+                )
                 try:
                     runner.execute()
+                    execution.refilled = runner.refilled
                 except DB_ERRORS as exc:
                     # The outcome could not be recorded: the lease runs out and recovery
                     # settles the attempt; the connection is rebuilt for the next one.
@@ -644,8 +743,10 @@ class WorkerDispatchCoordinator:
             held = [e for e in self.executions.values() if not e.done.is_set()]
             stats = dict(self.stats)
         stats.update(self.probe.stats())
+        stats["free_slots"] = 0 if self.stopping else self._free()
         sent_at = time.monotonic()
-        beats = claims.heartbeat(
+        beats, peers = claims.heartbeat_and_peers(
+            PEER_STALE_SECONDS,
             self.worker_id,
             [
                 (
@@ -658,6 +759,8 @@ class WorkerDispatchCoordinator:
             ],
             stats,
         )
+        with self._lock:
+            self._peers = peers
         for e in held:
             beat = beats.get(e.claimed.attempt_id)
             if beat is None:

@@ -14,7 +14,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 from django.db import Error as DjangoDBError
@@ -199,6 +199,24 @@ def _secret_values(connector: Any, config: dict[str, Any]) -> list[str]:
     return [str(config[k]) for k in connector.secret_fields() if config.get(k)]
 
 
+# Settled for good: no successor attempt is due at once, so a settlement that also
+# claimed (and found nothing) leaves nothing for a refill to find.
+FINAL_STATUSES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+
+
+class Refill(Protocol):
+    """How a runner claims the next attempt for its slot in its settlement's transaction
+    (dispatch.coordinator supplies it)."""
+
+    worker_id: str
+
+    def limit(self) -> int:
+        """How many attempts to claim (0: none, e.g. the worker is stopping)."""
+
+    def adopt(self, claimed: list[ClaimedAttempt]) -> None:
+        """Start executing what the settlement claimed."""
+
+
 class Runner:
     """Runs one attempt to its outcome. `on_fenced` counts stale commits a sink refused."""
 
@@ -207,10 +225,14 @@ class Runner:
         claimed: ClaimedAttempt,
         control: ExecutionControl,
         on_event: Callable[[str], None] = lambda name: None,
+        refill: Refill | None = None,
     ) -> None:
         self.claimed = claimed
         self.control = control
         self.on_event = on_event
+        self.refill = refill
+        # Whether the settlement also claimed this slot's next attempt (or found none).
+        self.refilled = False
         self.secrets: list[str] = []
         self.cursor: incremental.Prepared | None = None
 
@@ -231,15 +253,32 @@ class Runner:
         delay = 0.5
         while True:
             try:
-                status = claims.settle(
-                    self.claimed.attempt_id,
-                    self.claimed.lease_token,
-                    outcome,
-                    reason=reason,
-                    error=clean_error,
-                    rows_read=self.control.rows_read,
-                    rows_written=self.control.rows_written,
-                )
+                limit = self.refill.limit() if self.refill is not None else 0
+                if limit > 0 and self.refill is not None:
+                    status, more = claims.settle_and_claim(
+                        self.claimed.attempt_id,
+                        self.claimed.lease_token,
+                        outcome,
+                        worker_id=self.refill.worker_id,
+                        limit=limit,
+                        reason=reason,
+                        error=clean_error,
+                        rows_read=self.control.rows_read,
+                        rows_written=self.control.rows_written,
+                    )
+                    self.refilled = status in FINAL_STATUSES
+                    if more:
+                        self.refill.adopt(more)
+                else:
+                    status = claims.settle(
+                        self.claimed.attempt_id,
+                        self.claimed.lease_token,
+                        outcome,
+                        reason=reason,
+                        error=clean_error,
+                        rows_read=self.control.rows_read,
+                        rows_written=self.control.rows_written,
+                    )
                 break
             except (DjangoDBError, psycopg.Error) as exc:
                 if not self.control.lease_may_be_ours(after=delay):

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from django.db import IntegrityError, connection, transaction
+from django.db import connection, transaction
 from django.db.models import Max
 from django.db.models.functions import Now
 
@@ -24,7 +25,6 @@ from dispatch.models import Attempt, JobBinding, Run
 from dispatch.states import (
     LIVE_STATUSES,
     RETRYABLE_RUN_STATUSES,
-    BlockedReason,
     Origin,
     Reason,
     Status,
@@ -89,18 +89,6 @@ def _notify_on_commit(run_id: uuid.UUID) -> None:
     transaction.on_commit(lambda: notify(run_id))
 
 
-def _blocked_reason(binding: JobBinding) -> str | None:
-    if not binding.job.enabled:
-        return BlockedReason.JOB_DISABLED
-    if not binding.enabled:
-        return BlockedReason.BINDING_DISABLED
-    if not binding.source.enabled:
-        return BlockedReason.SOURCE_DISABLED
-    if not binding.sink.enabled:
-        return BlockedReason.SINK_DISABLED
-    return None
-
-
 def trigger(
     binding: JobBinding,
     *,
@@ -110,48 +98,114 @@ def trigger(
     schedule_id: uuid.UUID | None = None,
     scheduled_for: datetime | None = None,
 ) -> Run:
-    """Create a run and its attempt 1 (PENDING, due now) in one transaction; wake a worker
-    after the commit (an outer `atomic` delays the wake-up until it commits).
+    """Create a run and its attempt 1 (PENDING, due now) in one transaction and one round
+    trip (`dispatch_trigger_v3`); wake a worker after the commit (an outer `atomic`
+    delays the wake-up until it commits).
 
     With an `idempotency_key` (or a schedule slot) that already has a run, that run is
     returned and nothing is created. A disabled binding still gets its run: it waits,
     with a visible `blocked_reason`, until the binding is enabled.
     """
+    (run,) = trigger_many(
+        [binding],
+        trigger=trigger,
+        idempotency_keys=[idempotency_key],
+        requested_by=requested_by,
+        schedule_ids=[schedule_id],
+        scheduled_for=[scheduled_for],
+    )
+    return run
+
+
+def trigger_many(
+    bindings: Sequence[JobBinding],
+    *,
+    trigger: str = Trigger.MANUAL,
+    idempotency_keys: Sequence[str | None] | None = None,
+    requested_by: Any = None,
+    schedule_ids: Sequence[uuid.UUID | None] | None = None,
+    scheduled_for: Sequence[datetime | None] | None = None,
+) -> list[Run]:
+    """`trigger` for many runs at once: one statement creates them all (one transaction
+    unless called inside `atomic`), then one wake-up per created run. The lists, when
+    given, pair up with `bindings`; the result is in the same order."""
     if trigger not in Trigger.values:
         raise ValueError(f"trigger must be one of {', '.join(Trigger.values)}, not {trigger!r}")
-    if idempotency_key is not None:
-        existing = Run.objects.filter(idempotency_key=idempotency_key).first()
-        if existing is not None:
-            return existing
-    binding = JobBinding.objects.select_related("job", "source", "sink").get(pk=binding.pk)
+    n = len(bindings)
+    for name, values in (
+        ("idempotency_keys", idempotency_keys),
+        ("schedule_ids", schedule_ids),
+        ("scheduled_for", scheduled_for),
+    ):
+        if values is not None and len(values) != n:
+            raise ValueError(f"{name} has {len(values)} items for {n} bindings")
+    if n == 0:
+        return []
+    with connection.cursor() as cursor:
+        cursor.execute(
+            sqlfiles.query("trigger"),
+            {
+                "bindings": [b.pk for b in bindings],
+                "trigger": trigger,
+                "requested_by": _who(requested_by),
+                "keys": list(idempotency_keys) if idempotency_keys is not None else None,
+                "schedules": list(schedule_ids) if schedule_ids is not None else None,
+                "slots": list(scheduled_for) if scheduled_for is not None else None,
+            },
+        )
+        rows = cursor.fetchall()
+    runs = []
+    woken: list[uuid.UUID] = []
+    for i, (run_id, binding_id, status, created_at, created) in enumerate(rows):
+        run = Run(
+            id=run_id,
+            binding_id=binding_id,
+            trigger=trigger,
+            status=status,
+            created_at=created_at,
+            idempotency_key=idempotency_keys[i] if idempotency_keys is not None else None,
+            requested_by=_who(requested_by),
+            schedule_id=schedule_ids[i] if schedule_ids is not None else None,
+            scheduled_for=scheduled_for[i] if scheduled_for is not None else None,
+        )
+        run._state.adding = False
+        run._state.db = connection.alias
+        runs.append(run)
+        if created:
+            woken.append(run_id)
+            log.info(
+                "run triggered run=%s binding=%s trigger=%s",
+                run_id,
+                bindings[i].name,
+                trigger,
+            )
+    notify_many(woken)  # after the commit (on_commit inside an outer atomic)
+    return runs
+
+
+def notify_many(run_ids: Sequence[uuid.UUID]) -> None:
+    """`notify` for several runs in one statement (one notification each)."""
+    if not run_ids:
+        return
+    if len(run_ids) == 1:
+        notify(run_ids[0])
+        return
+    if connection.in_atomic_block:
+        ids = list(run_ids)
+        transaction.on_commit(lambda: notify_many(ids))
+        return
     try:
-        with transaction.atomic():
-            run = Run.objects.create(
-                binding=binding,
-                trigger=trigger,
-                status=Status.PENDING,
-                idempotency_key=idempotency_key,
-                requested_by=_who(requested_by),
-                schedule_id=schedule_id,
-                scheduled_for=scheduled_for,
+        with connection.cursor() as cursor:
+            cursor.execute(
+                sqlfiles.query("notify_many"),
+                {"channel": conf.channel(), "payloads": [str(r) for r in run_ids]},
             )
-            Attempt.objects.create(
-                run=run,
-                number=1,
-                origin=Origin.TRIGGER,
-                status=Status.PENDING,
-                blocked_reason=_blocked_reason(binding),
-            )
-            _notify_on_commit(run.id)
-    except IntegrityError:
-        # A concurrent trigger with the same key or slot won; return its run.
-        if idempotency_key is not None:
-            return Run.objects.get(idempotency_key=idempotency_key)
-        if schedule_id is not None:
-            return Run.objects.get(schedule_id=schedule_id, scheduled_for=scheduled_for)
-        raise
-    log.info("run triggered run=%s binding=%s trigger=%s", run.id, binding.name, trigger)
-    return run
+    except Exception:  # noqa: BLE001 - the triggers have committed; never undo or fail them
+        log.warning(
+            "wake-ups for %d runs not sent; workers will find them by polling",
+            len(run_ids),
+            exc_info=True,
+        )
 
 
 def _lock_run(run: Run | uuid.UUID | str) -> tuple[Run, Attempt | None]:

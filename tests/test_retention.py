@@ -18,6 +18,7 @@ from django.test import override_settings
 from dispatch import claims, retention, sqlfiles
 from dispatch.models import Attempt, Run, Worker
 from dispatch.states import Status
+from scheduling.models import db_now
 from tests.conftest import Processes, wait_until, worker_env
 from tests.factories import BindingFactory, trigger
 from tests.helpers import raw_connection
@@ -74,7 +75,7 @@ def test_prune__deletes_old_finished_runs_and_keeps_every_protected_one():
     # R4: the latest run of a schedule is its slot record; an older slot of it goes.
     b = BindingFactory()
     schedule = uuid.uuid4()
-    slot = Now()
+    slot = db_now()  # the slot's time, as the reconciler passes it (a datetime)
     older_slot = finished_run(b, Status.SUCCEEDED, 40, schedule_id=schedule, scheduled_for=slot)
     Run.objects.filter(pk=older_slot.pk).update(scheduled_for=Now() - timedelta(days=40))
     latest_slot = finished_run(b, Status.SUCCEEDED, 30, schedule_id=schedule, scheduled_for=slot)

@@ -6,9 +6,10 @@ import threading
 
 import psycopg
 import pytest
-from django.db import transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import F
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 
 from dispatch import claims, services
 from dispatch.models import Attempt, Run
@@ -45,6 +46,53 @@ def test_trigger__creates_run_and_attempt_one_and_notifies_only_the_run_id():
         None,
     )
     assert a.available_at == a.created_at
+
+
+def test_trigger__is_one_statement_then_the_wakeup() -> None:
+    binding = BindingFactory()
+    with listener() as conn:
+        with CaptureQueriesContext(connection) as ctx:
+            run = services.trigger(binding)
+        assert received(conn) == [str(run.id)]
+    # The run and its attempt in one round trip (a function), then the NOTIFY after it
+    # committed; no binding fetch, no BEGIN/COMMIT of their own.
+    texts = [q["sql"] for q in ctx.captured_queries]
+    assert len(texts) == 2, texts
+    assert "dispatch_trigger_v3" in texts[0] and "pg_notify" in texts[1]
+    assert Run.objects.get(pk=run.pk).status == Status.PENDING
+
+
+def test_trigger_many__creates_every_run_in_one_statement_and_wakes_each_once() -> None:
+    bindings = [BindingFactory() for _ in range(3)]
+    chosen = [bindings[i % 3] for i in range(20)]
+    keys = [f"k{i}" for i in range(20)]
+    with listener() as conn:
+        with CaptureQueriesContext(connection) as ctx:
+            runs = services.trigger_many(chosen, idempotency_keys=keys, trigger=Trigger.API)
+        got = received(conn)
+    assert len(ctx.captured_queries) == 2  # the runs, then every wake-up in one statement
+    assert sorted(got) == sorted(str(r.id) for r in runs)
+    assert [r.binding_id for r in runs] == [b.pk for b in chosen]
+    assert Attempt.objects.filter(run__in=[r.id for r in runs], number=1).count() == 20
+    # Again with the same keys (and one new): the existing runs, nothing created or woken.
+    with listener() as conn:
+        again = services.trigger_many([*chosen, bindings[0]], idempotency_keys=[*keys, "new"])
+        assert received(conn) == [str(again[-1].id)]
+    assert [r.id for r in again[:-1]] == [r.id for r in runs]
+    assert Run.objects.count() == 21
+
+
+def test_trigger_many__an_unknown_binding_creates_nothing() -> None:
+    binding = BindingFactory()
+    ghost = BindingFactory.build()  # never saved
+    with pytest.raises(IntegrityError, match="no binding"):
+        services.trigger_many([binding, ghost])
+    assert Run.objects.count() == 0
+
+
+def test_trigger_many__lists_must_pair_with_the_bindings() -> None:
+    with pytest.raises(ValueError, match="idempotency_keys has 1 items for 2 bindings"):
+        services.trigger_many([BindingFactory(), BindingFactory()], idempotency_keys=["a"])
 
 
 def test_trigger__wakeup_waits_for_the_outer_transaction_to_commit():

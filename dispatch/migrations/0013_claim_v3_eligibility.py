@@ -28,7 +28,8 @@ class Migration(migrations.Migration):
             CREATE INDEX dispatch_attempt_eligible_idx ON dispatch_attempt (available_at, id)
              WHERE status = 'PENDING'
                AND (blocked_reason IS NULL OR blocked_reason = 'BINDING_AT_CAPACITY');
-            CREATE INDEX dispatch_attempt_queued_idx ON dispatch_attempt (binding_id, blocked_reason)
+            CREATE INDEX dispatch_attempt_queued_idx
+                ON dispatch_attempt (binding_id, blocked_reason, available_at)
              WHERE status = 'PENDING';
             """,
             reverse_sql="""

@@ -51,12 +51,23 @@ SELECT EXTRACT(EPOCH FROM (min(available_at) - (SELECT clock_timestamp())))::flo
   FROM dispatch_attempt
  WHERE status = 'PENDING' AND available_at > (SELECT clock_timestamp());
 
+-- name: trigger
+-- Runs and their attempt 1 in one round trip (see dispatch_trigger_v3).
+SELECT * FROM dispatch_trigger_v3(%(bindings)s::uuid[], %(trigger)s, %(requested_by)s,
+                                  %(keys)s::text[], %(schedules)s::uuid[],
+                                  %(slots)s::timestamptz[]);
+
 -- name: notify
 -- The wake-up, as its own autocommit transaction after the trigger committed: a full
 -- notification queue fails this statement only, never the trigger. synchronous_commit is
 -- off for this one transaction (set_config(..., true) lasts until its commit), so the
 -- wake-up does not wait for a WAL flush.
 SELECT set_config('synchronous_commit', 'off', true), pg_notify(%(channel)s, %(payload)s);
+
+-- name: notify_many
+-- The wake-ups of trigger_many: one notification per run, in one statement.
+SELECT set_config('synchronous_commit', 'off', true),
+       count(pg_notify(%(channel)s, x)) FROM unnest(%(payloads)s::text[]) AS x;
 
 -- name: register_worker
 INSERT INTO dispatch_worker (id, host, pid, concurrency, started_at, heartbeat_at, stats)

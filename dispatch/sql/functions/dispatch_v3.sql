@@ -10,7 +10,8 @@
 --                                 (blocked_reason IS NULL OR = 'BINDING_AT_CAPACITY'):
 --                                 the claim's walk; attempts blocked by something
 --                                 disabled are not in it;
---   dispatch_attempt_queued_idx   (binding_id, blocked_reason) WHERE status = 'PENDING':
+--   dispatch_attempt_queued_idx   (binding_id, blocked_reason, available_at) WHERE
+--                                 status = 'PENDING':
 --                                 a binding's queued attempts, for the marking below.
 --
 -- Eligibility is kept on the attempt row: blocked_reason says which disabled thing
@@ -368,10 +369,19 @@ $$;
 -- claim wrote is cleared once the binding has room again.
 CREATE OR REPLACE FUNCTION dispatch_refresh_blocked_v3()
 RETURNS integer LANGUAGE plpgsql VOLATILE
-SET enable_seqscan = off
+-- Each probe is ordered by all three columns of dispatch_attempt_queued_idx, an order no
+-- other index provides, so that index answers it without a sort under any statistics (a
+-- LIMIT 1 probe ordered by blocked_reason alone was planned on the console's
+-- blocked-reason index, filtering a whole binding's entries). Generic plans:
+-- planned once per session, not on every call.
+SET enable_sort = off
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     b record;
+    v_min text;
+    v_max text;
+    v_null boolean;
     v_changed integer := 0;
     v_count integer;
 BEGIN
@@ -383,14 +393,26 @@ BEGIN
                JOIN dispatch_datasource src ON src.id = x.source_id
                JOIN dispatch_datasource snk ON snk.id = x.sink_id
               ORDER BY x.id LOOP
+        -- The smallest and largest mark of the binding's queued attempts, and whether
+        -- any is unmarked: three probes of the index, each a single entry.
+        -- A range bounded on both sides (every reason lies between the first and the
+        -- last in sort order), so neither scan steps into the binding's unmarked
+        -- entries, which sort after the marked ones.
+        v_min := (SELECT a.blocked_reason FROM dispatch_attempt a
+                   WHERE a.status = 'PENDING' AND a.binding_id = b.id
+                     AND a.blocked_reason >= 'BINDING_AT_CAPACITY'
+                     AND a.blocked_reason <= 'SOURCE_DISABLED'
+                   ORDER BY a.binding_id, a.blocked_reason, a.available_at LIMIT 1);
+        v_max := (SELECT a.blocked_reason FROM dispatch_attempt a
+                   WHERE a.status = 'PENDING' AND a.binding_id = b.id
+                     AND a.blocked_reason >= 'BINDING_AT_CAPACITY'
+                     AND a.blocked_reason <= 'SOURCE_DISABLED'
+                   ORDER BY a.binding_id DESC, a.blocked_reason DESC, a.available_at DESC LIMIT 1);
         IF b.reason IS NULL THEN
-            IF EXISTS (SELECT 1 FROM dispatch_attempt a
-                        WHERE a.binding_id = b.id AND a.status = 'PENDING'
-                          AND a.blocked_reason IN ('JOB_DISABLED', 'BINDING_DISABLED',
-                                                   'SOURCE_DISABLED', 'SINK_DISABLED'))
-               OR (EXISTS (SELECT 1 FROM dispatch_attempt a
-                            WHERE a.binding_id = b.id AND a.status = 'PENDING'
-                              AND a.blocked_reason = 'BINDING_AT_CAPACITY')
+            -- Enabled: a disabled mark (every one sorts after BINDING_AT_CAPACITY), or a
+            -- capacity mark while the binding has room, is stale.
+            IF v_max > 'BINDING_AT_CAPACITY'
+               OR (v_min = 'BINDING_AT_CAPACITY'
                    AND dispatch_binding_running_v1(b.id) < b.max_concurrency) THEN
                 UPDATE dispatch_attempt a SET blocked_reason = NULL
                  WHERE a.id IN (SELECT x.id FROM dispatch_attempt x
@@ -402,18 +424,78 @@ BEGIN
                 GET DIAGNOSTICS v_count = ROW_COUNT;
                 v_changed := v_changed + v_count;
             END IF;
-        ELSIF EXISTS (SELECT 1 FROM dispatch_attempt a
-                       WHERE a.binding_id = b.id AND a.status = 'PENDING'
-                         AND a.blocked_reason IS NULL)
-              OR EXISTS (SELECT 1 FROM dispatch_attempt a
-                          WHERE a.binding_id = b.id AND a.status = 'PENDING'
-                            AND a.blocked_reason < b.reason)
-              OR EXISTS (SELECT 1 FROM dispatch_attempt a
-                          WHERE a.binding_id = b.id AND a.status = 'PENDING'
-                            AND a.blocked_reason > b.reason) THEN
-            v_changed := v_changed + dispatch_mark_binding_v3(b.id);
+        ELSE
+            v_null := (SELECT 1 FROM dispatch_attempt a
+                        WHERE a.status = 'PENDING' AND a.binding_id = b.id
+                          AND a.blocked_reason IS NULL
+                        ORDER BY a.binding_id, a.blocked_reason, a.available_at
+                        LIMIT 1) IS NOT NULL;
+            IF v_null OR v_min IS DISTINCT FROM b.reason OR v_max IS DISTINCT FROM b.reason THEN
+                IF v_null OR v_min IS NOT NULL THEN
+                    v_changed := v_changed + dispatch_mark_binding_v3(b.id);
+                END IF;
+            END IF;
         END IF;
     END LOOP;
     RETURN v_changed;
+END
+$$;
+
+-- Create runs and their attempt 1 (PENDING, due now), one per element of p_bindings, in
+-- one round trip: the trigger (and trigger_many). An element whose idempotency key or
+-- schedule slot already has a run returns that run with created = false and creates
+-- nothing (a concurrent trigger of the same key waits for the other to commit, then
+-- finds its run). The attempt's blocked_reason comes from the insert trigger. The
+-- wake-up is not sent here: a NOTIFY in this transaction could fail its commit.
+CREATE OR REPLACE FUNCTION dispatch_trigger_v3(
+    p_bindings uuid[], p_trigger text, p_requested_by text,
+    p_keys text[] DEFAULT NULL, p_schedules uuid[] DEFAULT NULL,
+    p_slots timestamptz[] DEFAULT NULL
+) RETURNS TABLE (run_id uuid, binding_id uuid, status text, created_at timestamptz,
+                 created boolean)
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
+DECLARE
+    i integer;
+    v_id uuid;
+    v_key text;
+    v_schedule uuid;
+    v_slot timestamptz;
+    v_missing uuid;
+BEGIN
+    SELECT x.b INTO v_missing FROM unnest(p_bindings) AS x(b)
+     WHERE NOT EXISTS (SELECT 1 FROM dispatch_jobbinding j WHERE j.id = x.b) LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'no binding %', v_missing USING ERRCODE = 'foreign_key_violation';
+    END IF;
+    FOR i IN 1 .. coalesce(cardinality(p_bindings), 0) LOOP
+        v_key := p_keys[i];
+        v_schedule := p_schedules[i];
+        v_slot := p_slots[i];
+        INSERT INTO dispatch_run (id, binding_id, trigger, status, created_at,
+                                  idempotency_key, requested_by, schedule_id, scheduled_for)
+        VALUES (gen_random_uuid(), p_bindings[i], p_trigger, 'PENDING', now(),
+                v_key, coalesce(p_requested_by, ''), v_schedule, v_slot)
+        ON CONFLICT DO NOTHING
+        RETURNING id INTO v_id;
+        IF v_id IS NOT NULL THEN
+            INSERT INTO dispatch_attempt (id, run_id, number, origin, status, created_at,
+                                          available_at, error, rows_read, rows_written)
+            VALUES (gen_random_uuid(), v_id, 1, 'TRIGGER', 'PENDING', now(), now(),
+                    '', 0, 0);
+            created := true;
+        ELSE
+            SELECT r.id INTO v_id FROM dispatch_run r
+             WHERE (v_key IS NOT NULL AND r.idempotency_key = v_key)
+                OR (v_schedule IS NOT NULL AND r.schedule_id = v_schedule
+                    AND r.scheduled_for IS NOT DISTINCT FROM v_slot);
+            created := false;
+        END IF;
+        SELECT r.id, r.binding_id, r.status, r.created_at
+          INTO run_id, binding_id, status, created_at
+          FROM dispatch_run r WHERE r.id = v_id;
+        RETURN NEXT;
+        v_id := NULL;
+    END LOOP;
 END
 $$;
