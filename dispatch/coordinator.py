@@ -88,9 +88,19 @@ class _SlotRefill:
     def adopt(self, claimed: list[ClaimedAttempt]) -> None:
         c = self.coordinator
         for attempt in claimed:
-            c._start(attempt)
-        c._count("claims_generic", len(claimed))
-        c._count("claims_at_settlement", len(claimed))
+            if not c._start(attempt, unless_stopping=True):
+                # The worker began to stop while this settlement claimed: hand the
+                # attempt back at once (a release costs no retry budget).
+                if claims.settle(
+                    attempt.attempt_id,
+                    attempt.lease_token,
+                    "RELEASE",
+                    reason=Reason.SHUTDOWN_RELEASED,
+                ):
+                    services.notify(attempt.run_id)
+                continue
+            c._count("claims_generic")
+            c._count("claims_at_settlement")
 
 
 @dataclass
@@ -132,7 +142,9 @@ class WorkerDispatchCoordinator:
         self.background = background or []
         self.stats: Counter[str] = Counter()
         self.executions: dict[uuid.UUID, Execution] = {}
-        self._lock = threading.Lock()
+        # Reentrant: request_stop takes it and may run in a signal handler on the main
+        # thread while that thread holds it.
+        self._lock = threading.RLock()
         self._queue: queue.Queue[Execution | None] = queue.Queue()
         self._stop_threads = threading.Event()
         self._heartbeat_now = threading.Event()
@@ -185,7 +197,8 @@ class WorkerDispatchCoordinator:
     def request_stop(self, *, immediate: bool = False) -> None:
         """Begin draining: stop claiming, let executions finish within the grace period."""
         if not self.stopping:
-            self.stopping = True
+            with self._lock:  # see _start(unless_stopping=True)
+                self.stopping = True
             self._drain_deadline = time.monotonic() + self.shutdown_grace
             log.info(
                 "worker draining worker=%s held=%d grace=%.1fs",
@@ -460,9 +473,15 @@ class WorkerDispatchCoordinator:
         delay = claims.next_available_in()
         self._timer = None if delay is None else time.monotonic() + delay + 0.001
 
-    def _start(self, claimed: ClaimedAttempt) -> None:
+    def _start(self, claimed: ClaimedAttempt, *, unless_stopping: bool = False) -> bool:
+        """Register and queue an execution. With `unless_stopping` (a settlement's claim,
+        from an executor thread), refuse once the worker is stopping: the check and the
+        registration are one step under the lock, so the shutdown's release of what is
+        held cannot miss it."""
         execution = Execution(claimed, ExecutionControl(claimed))
         with self._lock:
+            if unless_stopping and self.stopping:
+                return False
             self.executions[claimed.attempt_id] = execution
         log.info(
             "attempt claimed run=%s attempt=%s worker=%s token=%s directed=%s",
@@ -480,6 +499,7 @@ class WorkerDispatchCoordinator:
             # The heartbeat thread waits longer than this lease (or timeout) allows: wake
             # it to recompute (otherwise a claim costs no extra heartbeat).
             self._heartbeat_now.set()
+        return True
 
     def _reap(self) -> int:
         with self._lock:

@@ -62,6 +62,7 @@ class ExecutionControl:
         self._interrupts: dict[int, Callable[[], None]] = {}
         self._interrupts_lock = threading.Lock()
         self._next_interrupt = 0
+        self._interrupting = False
 
     def stop(self, cause: StopCause) -> None:
         first = not self._event.is_set()
@@ -79,7 +80,9 @@ class ExecutionControl:
             self._next_interrupt += 1
             self._interrupts[key] = interrupt
         if self._event.is_set():
-            self._call(interrupt)
+            threading.Thread(
+                target=self._call, args=(interrupt,), name="dispatch-interrupt", daemon=True
+            ).start()
 
         def unregister() -> None:
             with self._interrupts_lock:
@@ -88,13 +91,28 @@ class ExecutionControl:
         return unregister
 
     def interrupt(self) -> None:
-        """Call every registered interrupt. The coordinator repeats this while a stopped
-        execution is still running: a statement started just after one interrupt (which
-        found nothing running) is interrupted by the next."""
+        """Call every registered interrupt, on a thread of its own: a cancel request to
+        an unreachable server may take seconds, and the caller (the heartbeat thread, the
+        main loop at shutdown) must not wait for it. The coordinator repeats this while a
+        stopped execution is still running (a statement started just after one interrupt
+        is interrupted by the next); a repeat while one is in flight is skipped."""
         with self._interrupts_lock:
+            if self._interrupting:
+                return
             interrupts = list(self._interrupts.values())
-        for interrupt in interrupts:
-            self._call(interrupt)
+            if not interrupts:
+                return
+            self._interrupting = True
+
+        def run() -> None:
+            try:
+                for interrupt in interrupts:
+                    self._call(interrupt)
+            finally:
+                with self._interrupts_lock:
+                    self._interrupting = False
+
+        threading.Thread(target=run, name="dispatch-interrupt", daemon=True).start()
 
     @staticmethod
     def _call(interrupt: Callable[[], None]) -> None:
@@ -251,9 +269,12 @@ class Runner:
         # trying while the lease may still be ours (the execution stays registered, so the
         # heartbeat keeps extending it); after that, recovery settles the attempt.
         delay = 0.5
+        retrying = False
         while True:
             try:
-                limit = self.refill.limit() if self.refill is not None else 0
+                # A retry settles only: if the first try committed a claim along with the
+                # settlement before its answer was lost, claiming again would strand it.
+                limit = self.refill.limit() if self.refill is not None and not retrying else 0
                 if limit > 0 and self.refill is not None:
                     status, more = claims.settle_and_claim(
                         self.claimed.attempt_id,
@@ -281,6 +302,7 @@ class Runner:
                     )
                 break
             except (DjangoDBError, psycopg.Error) as exc:
+                retrying = True
                 if not self.control.lease_may_be_ours(after=delay):
                     raise
                 self._log(

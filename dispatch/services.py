@@ -154,9 +154,15 @@ def trigger_many(
             },
         )
         rows = cursor.fetchall()
+    # Runs that already existed (their key or slot had one) are read back whole: the
+    # caller gets the stored run, not one rebuilt from its arguments.
+    existing = Run.objects.in_bulk([row[0] for row in rows if not row[4]])
     runs = []
     woken: list[uuid.UUID] = []
     for i, (run_id, binding_id, status, created_at, created) in enumerate(rows):
+        if not created:
+            runs.append(existing[run_id])
+            continue
         run = Run(
             id=run_id,
             binding_id=binding_id,

@@ -316,7 +316,7 @@ class ScheduleReconciler:
             )
             return Skipped(schedule_id, decision.slot, reason)
         existing = Run.objects.filter(schedule_id=schedule_id, scheduled_for=decision.slot).exists()
-        # Inside this transaction: trigger's own atomic block is a savepoint, and its
+        # Inside this transaction: the trigger's one statement is part of it, and its
         # wake-up (transaction.on_commit) is sent after this transaction commits. A run
         # that already exists for the slot is returned, not duplicated (unique slot).
         run = services.trigger(

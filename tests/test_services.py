@@ -79,6 +79,7 @@ def test_trigger_many__creates_every_run_in_one_statement_and_wakes_each_once() 
         again = services.trigger_many([*chosen, bindings[0]], idempotency_keys=[*keys, "new"])
         assert received(conn) == [str(again[-1].id)]
     assert [r.id for r in again[:-1]] == [r.id for r in runs]
+    assert {r.trigger for r in again[:-1]} == {Trigger.API}  # the stored runs, not rebuilt
     assert Run.objects.count() == 21
 
 

@@ -196,25 +196,28 @@ BEGIN
 
     -- 1. Pick and lock run + attempt (SKIP LOCKED: never waits for either).
     IF p_run IS NOT NULL THEN
-        -- The run by primary key, then its live attempt by the unique live-attempt
-        -- index: single-table statements, so no join order can turn them into a walk.
-        SELECT r.id AS run, r.binding_id AS binding, r.ctid AS run_tid INTO c
-          FROM dispatch_run r WHERE r.id = p_run FOR UPDATE SKIP LOCKED;
+        -- The run's live attempt first, without a lock, through the unique live-attempt
+        -- index (no other index's predicate is implied, and no time bound is offered to
+        -- an available_at index): only a due attempt that no disabled thing blocks is
+        -- locked, so a directed claim never holds a marked attempt (which the enable
+        -- trigger may wait for) nor a RUNNING one's run. Then the run by primary key and
+        -- the attempt by its TID, both SKIP LOCKED: single-table statements that no
+        -- join order can turn into a walk.
+        SELECT a.run_id AS run, a.binding_id AS binding, a.id AS attempt,
+               a.ctid AS attempt_tid, NULL::tid AS run_tid INTO c
+          FROM dispatch_attempt a
+         WHERE a.run_id = p_run AND a.status IN ('PENDING', 'RUNNING')
+           AND a.status = 'PENDING' AND a.available_at <= v_now
+           AND (a.blocked_reason IS NULL OR a.blocked_reason = 'BINDING_AT_CAPACITY');
         IF FOUND THEN
-            -- Only the live-attempt index can answer this (no other index's predicate is
-            -- implied, and no time bound is offered to an available_at index); the row
-            -- is then checked here and locked by its TID.
-            SELECT c.run, c.binding, c.run_tid, a.id AS attempt, a.ctid AS attempt_tid,
-                   a.status = 'PENDING' AND a.available_at <= v_now AS due INTO c
-              FROM dispatch_attempt a
-             WHERE a.run_id = c.run AND a.status IN ('PENDING', 'RUNNING');
-            IF FOUND AND c.due THEN
-                PERFORM 1 FROM dispatch_attempt a
-                  WHERE a.ctid = c.attempt_tid AND a.id = c.attempt AND a.status = 'PENDING'
-                    FOR UPDATE SKIP LOCKED;
-            ELSE
-                PERFORM 1 WHERE false;  -- FOUND := false
-            END IF;
+            SELECT c.run, c.binding, c.attempt, c.attempt_tid, r.ctid AS run_tid INTO c
+              FROM dispatch_run r WHERE r.id = c.run FOR UPDATE SKIP LOCKED;
+        END IF;
+        IF FOUND THEN
+            PERFORM 1 FROM dispatch_attempt a
+              WHERE a.ctid = c.attempt_tid AND a.id = c.attempt AND a.status = 'PENDING'
+                AND (a.blocked_reason IS NULL OR a.blocked_reason = 'BINDING_AT_CAPACITY')
+                FOR UPDATE SKIP LOCKED;
         END IF;
         IF FOUND AND dispatch_binding_disabled_v3(c.binding) IS NULL
            AND dispatch_binding_running_v1(c.binding) < (
@@ -461,6 +464,7 @@ DECLARE
     v_key text;
     v_schedule uuid;
     v_slot timestamptz;
+    v_at timestamptz;
     v_missing uuid;
 BEGIN
     SELECT x.b INTO v_missing FROM unnest(p_bindings) AS x(b)
@@ -472,16 +476,19 @@ BEGIN
         v_key := p_keys[i];
         v_schedule := p_schedules[i];
         v_slot := p_slots[i];
+        -- The statement's own time per run, increasing: runs of one call are claimed in
+        -- the order they were given.
+        v_at := clock_timestamp();
         INSERT INTO dispatch_run (id, binding_id, trigger, status, created_at,
                                   idempotency_key, requested_by, schedule_id, scheduled_for)
-        VALUES (gen_random_uuid(), p_bindings[i], p_trigger, 'PENDING', now(),
+        VALUES (gen_random_uuid(), p_bindings[i], p_trigger, 'PENDING', v_at,
                 v_key, coalesce(p_requested_by, ''), v_schedule, v_slot)
         ON CONFLICT DO NOTHING
         RETURNING id INTO v_id;
         IF v_id IS NOT NULL THEN
             INSERT INTO dispatch_attempt (id, run_id, number, origin, status, created_at,
                                           available_at, error, rows_read, rows_written)
-            VALUES (gen_random_uuid(), v_id, 1, 'TRIGGER', 'PENDING', now(), now(),
+            VALUES (gen_random_uuid(), v_id, 1, 'TRIGGER', 'PENDING', v_at, v_at,
                     '', 0, 0);
             created := true;
         ELSE
