@@ -354,8 +354,8 @@ class WorkerDispatchCoordinator:
     def rank(self, run_id: uuid.UUID) -> int:
         """This worker's place among the live workers with a free slot for one run:
         rendezvous hashing, so every worker computes the same order from the same view
-        and each run has its own first choice (docs/architecture.md, "One claim per
-        notification")."""
+        and each run has its own first choice (docs/architecture.md, "Where we depart
+        from the contract")."""
         with self._lock:
             peers = set(self._peers)
         peers.add(self.worker_id)
