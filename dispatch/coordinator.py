@@ -504,9 +504,8 @@ class WorkerDispatchCoordinator:
     def _reap(self) -> int:
         with self._lock:
             finished = [e for e in self.executions.values() if e.done.is_set()]
-        with self._lock:
             for e in finished:
-                self.executions.pop(e.claimed.attempt_id, None)
+                del self.executions[e.claimed.attempt_id]
         if any(not e.refilled for e in finished):
             self._refill = True
         return len(finished)

@@ -433,10 +433,9 @@ BEGIN
                           AND a.blocked_reason IS NULL
                         ORDER BY a.binding_id, a.blocked_reason, a.available_at
                         LIMIT 1) IS NOT NULL;
-            IF v_null OR v_min IS DISTINCT FROM b.reason OR v_max IS DISTINCT FROM b.reason THEN
-                IF v_null OR v_min IS NOT NULL THEN
-                    v_changed := v_changed + dispatch_mark_binding_v3(b.id);
-                END IF;
+            -- Blocked: an unmarked attempt, or a mark other than the binding's reason.
+            IF v_null OR v_min <> b.reason OR v_max <> b.reason THEN
+                v_changed := v_changed + dispatch_mark_binding_v3(b.id);
             END IF;
         END IF;
     END LOOP;
