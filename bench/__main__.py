@@ -14,6 +14,7 @@ HERE = Path(__file__).resolve().parent
 ALL: list[str] = [
     "throughput",
     "backlog",
+    "herd",
     "latency",
     "claimcost",
     "contention",

@@ -26,9 +26,8 @@ from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from dispatch import services
+from dispatch import conf, services
 from dispatch.console_scale import COUNT_CAP, capped_counts
-from dispatch.coordinator import IDLE_HEARTBEAT_SECONDS
 from dispatch.models import Attempt, JobBinding, Run, Worker
 from dispatch.services import ActionRefused
 from dispatch.states import (
@@ -341,7 +340,7 @@ def worker_dead_after(held_leases: Sequence[int]) -> float:
     three leases of the shortest lease it holds, or three idle heartbeat periods."""
     if held_leases:
         return 3.0 * min(held_leases)
-    return 3.0 * 3 * IDLE_HEARTBEAT_SECONDS
+    return 3.0 * conf.idle_heartbeat_seconds()
 
 
 def overview_context(now: datetime | None = None) -> dict[str, Any]:

@@ -6,6 +6,7 @@ lock and transaction contract), on the calling thread's own connection, in autoc
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from typing import Any
 from django.db import DatabaseError, connection, transaction
 
 from dispatch.sqlfiles import query
+
+log = logging.getLogger("dispatch.worker")
 
 
 @dataclass(frozen=True)
@@ -162,20 +165,39 @@ def heartbeat(
         return {row[0]: Beat(*row) for row in cursor.fetchall()}
 
 
+@dataclass(frozen=True)
+class QueueView:
+    """What a heartbeat read of the queue, as durations by database time."""
+
+    due_for: float | None  # seconds the oldest ready attempt has been due (None: none is)
+    next_in: float | None  # seconds until the next eligible attempt falls due
+    expiry_in: float | None  # seconds until the earliest RUNNING lease runs out (<= 0: has)
+
+
+def queue_view() -> QueueView:
+    """Three single-entry index probes (see dispatch_queue_view_v4)."""
+    with connection.cursor() as cursor:
+        cursor.execute(query("queue_view"))
+        due_for, next_in, expiry_in = cursor.fetchone()
+    return QueueView(due_for, next_in, expiry_in)
+
+
 def heartbeat_and_peers(
     stale_seconds: float,
     worker_id: str,
     held: Sequence[tuple[uuid.UUID, int, int, int]],
     stats: dict[str, Any],
-) -> tuple[dict[uuid.UUID, Beat], tuple[str, ...]]:
+) -> tuple[dict[uuid.UUID, Beat], tuple[str, ...], QueueView]:
     """The heartbeat, and in the same transaction the live workers that reported a free
-    slot (for ranking notifications)."""
+    slot (for ranking notifications) and the worker's look at the queue: one transaction
+    is all an idle worker spends per heartbeat interval."""
     with transaction.atomic():
         beats = heartbeat(worker_id, held, stats)
         with connection.cursor() as cursor:
             cursor.execute(query("live_workers"), {"stale": stale_seconds})
             peers = tuple(row[0] for row in cursor.fetchall())
-    return beats, peers
+        view = queue_view()
+    return beats, peers, view
 
 
 def claimable(run_id: uuid.UUID) -> bool:
@@ -185,17 +207,28 @@ def claimable(run_id: uuid.UUID) -> bool:
         return cursor.fetchone() is not None
 
 
-def recover(limit: int = 500) -> list[Recovered]:
+def recover(limit: int = 500, *, refresh: bool = False) -> list[Recovered]:
     """Settle expired leases until none is left (each call of the function settles at
     most `limit` in one transaction). A row whose settlement fails is isolated by the
     function (rolled back alone, reported with `outcome=None` and its error) and not
-    picked again in this call, so it can neither stop the pass nor loop it."""
+    picked again in this call, so it can neither stop the pass nor loop it.
+
+    With `refresh`, the repair of blocked marks (`refresh_blocked`) runs in the last
+    batch's transaction, in a savepoint: a pass costs one transaction when nothing has
+    expired, and a failed refresh (logged) undoes nothing of the recovery."""
     settled: list[Recovered] = []
     failed: list[uuid.UUID] = []
     while True:
-        with connection.cursor() as cursor:
-            cursor.execute(query("recover"), {"limit": limit, "skip": failed})
-            batch = [Recovered(*row) for row in cursor.fetchall()]
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute(query("recover"), {"limit": limit, "skip": failed})
+                batch = [Recovered(*row) for row in cursor.fetchall()]
+            if refresh and len(batch) < limit:
+                try:
+                    with transaction.atomic():
+                        refresh_blocked()
+                except DatabaseError as exc:
+                    log.error("refresh of blocked marks failed error=%s", exc)
         settled.extend(batch)
         failed.extend(r.attempt_id for r in batch if r.outcome is None)
         if len(batch) < limit:

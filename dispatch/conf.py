@@ -23,13 +23,24 @@ def channel() -> str:
 
 
 def poll_interval() -> float:
-    """Seconds between generic claim passes when no notification arrives."""
+    """Seconds between generic claim passes while notifications are absent (no LISTEN
+    connection, or one whose self-probe has not come back). While they arrive, the
+    worker's heartbeat looks at the queue instead (`idle_heartbeat_seconds`)."""
     return float(getattr(settings, "DISPATCH_POLL_INTERVAL", 2.0))
 
 
+def idle_heartbeat_seconds() -> float:
+    """Seconds between the heartbeats of a worker that holds no attempt. Each heartbeat
+    also reads, in its transaction, whether eligible work is due, when the next attempt
+    falls due and when the earliest lease runs out: with LISTEN working that look is the
+    poll, and the expiry it reads times the next recovery pass."""
+    return float(getattr(settings, "DISPATCH_IDLE_HEARTBEAT_SECONDS", 10.0))
+
+
 def recovery_interval() -> float:
-    """Seconds between the recovery passes every worker runs."""
-    return float(getattr(settings, "DISPATCH_RECOVERY_INTERVAL", 5.0))
+    """The longest a worker goes between recovery passes. A pass also runs as soon as
+    the earliest lease its last heartbeat saw has run out."""
+    return float(getattr(settings, "DISPATCH_RECOVERY_INTERVAL", 60.0))
 
 
 def shutdown_grace_seconds() -> float:
@@ -64,7 +75,7 @@ def listen_url() -> str:
 
 def listen_probe_interval() -> float:
     """Seconds of silence on the LISTEN connection after which a worker probes it."""
-    return float(getattr(settings, "DISPATCH_LISTEN_PROBE_INTERVAL", 30.0))
+    return float(getattr(settings, "DISPATCH_LISTEN_PROBE_INTERVAL", 60.0))
 
 
 def listen_probe_timeout() -> float:

@@ -5,9 +5,11 @@ one heartbeat thread extends every held lease in one statement. Admission paths:
 
 - directed: a notification names a run; with a free slot the worker claims that run's
   attempt, falling back to generic work in the same call when it misses;
-- generic: polling (every `poll_interval`), the end of every execution, a reconnect and
-  the timer for the earliest future `available_at` refill free slots with the oldest
-  eligible attempts.
+- generic: the end of every execution, a reconnect, the timer for the earliest future
+  `available_at`, and polling refill free slots with the oldest eligible attempts. While
+  notifications arrive, the poll is the heartbeat's look at the queue (one transaction per
+  idle heartbeat says whether eligible work is due); without them, a claim pass every
+  `poll_interval`.
 
 Notifications are hints: a lost, duplicated, malformed or unknown one changes latency
 only. The worker never compares its clock with a database timestamp: delays come from
@@ -20,7 +22,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import os
 import queue
 import select
@@ -45,18 +46,20 @@ from dispatch import claims, conf, listen, services
 from dispatch.claims import ClaimedAttempt
 from dispatch.runner import ExecutionControl, Runner, StopCause
 from dispatch.sqlfiles import query
-from dispatch.states import Reason
+from dispatch.states import Reason, Status
 
 log = logging.getLogger("dispatch.worker")
 
 DB_ERRORS: tuple[type[BaseException], ...] = (DjangoDBError, psycopg.Error)
-# Heartbeat of the worker row when it holds no attempt.
-IDLE_HEARTBEAT_SECONDS = 5.0
 # Notifications: the worker ranked second for a run looks again this long after the
 # notification, in case the first-ranked one could not take it (busy, stopping, gone).
 HANDOFF_SECONDS = 1.0
-# A peer whose heartbeat is older than this is left out of the ranking.
-PEER_STALE_SECONDS = 3 * IDLE_HEARTBEAT_SECONDS
+# A heartbeat's look claims work that has been due this long: longer than a notified run
+# waits for its first- or second-ranked worker, so it does not race the wake-ups.
+UNCLAIMED_SECONDS = 2 * HANDOFF_SECONDS
+# A peer whose heartbeat is older than this many idle heartbeat periods is left out of
+# the ranking; a queue view older than this many no longer stands in for polling.
+STALE_HEARTBEATS = 3
 RECONNECT_MAX_SECONDS = 10.0
 
 
@@ -137,6 +140,7 @@ class WorkerDispatchCoordinator:
         self.shutdown_grace = (
             conf.shutdown_grace_seconds() if shutdown_grace is None else shutdown_grace
         )
+        self.idle_heartbeat = conf.idle_heartbeat_seconds()
         self.worker_id = worker_id or default_worker_id()
         self.burst = burst
         self.background = background or []
@@ -172,7 +176,13 @@ class WorkerDispatchCoordinator:
         self._drain_deadline: float | None = None
         self._threads: list[threading.Thread] = []
         # How long the heartbeat thread is waiting this time (seconds).
-        self._heartbeat_waiting = IDLE_HEARTBEAT_SECONDS
+        self._heartbeat_waiting = self.idle_heartbeat
+        # The last heartbeat's look at the queue, left by the heartbeat thread for the
+        # main thread (under the lock) with the monotonic time it was sent; and when the
+        # main thread last took one. The earliest lease expiry it showed (monotonic).
+        self._view: tuple[float, claims.QueueView] | None = None
+        self._view_at: float | None = None
+        self._expiry_at: float | None = None
         # Live workers with a free slot, as the last heartbeat read them (this one
         # included), for ranking notifications; and the runs this worker is second for.
         self._peers: tuple[str, ...] = ()
@@ -327,6 +337,7 @@ class WorkerDispatchCoordinator:
         report.finished = self._reap()
         notifications = self._read_notifications()
         report.notifications = len(notifications)
+        self._take_view()
         now = time.monotonic()
         if now < self._db_backoff_until:
             return report
@@ -334,7 +345,10 @@ class WorkerDispatchCoordinator:
             if not self.stopping:
                 self._admit(notifications, report, now)
             self._tick_probe(now)
-            if now >= self._next_recovery:
+            if now >= self._next_recovery or (
+                self._expiry_at is not None and now >= self._expiry_at
+            ):
+                self._expiry_at = None  # the next heartbeat shows the next one
                 report.recovered = self._recover()
                 self._next_recovery = time.monotonic() + self.recovery_interval
             self._db_backoff = 0.5
@@ -419,9 +433,40 @@ class WorkerDispatchCoordinator:
         self._count("directed_hits" if hit else "directed_misses")
         return len(got) - hit
 
+    def _take_view(self) -> None:
+        """Apply the last heartbeat's look at the queue: work due for longer than a
+        wake-up takes refills free slots, the next due attempt sets the timer, the
+        earliest lease expiry the next recovery."""
+        with self._lock:
+            taken, self._view = self._view, None
+        if taken is None:
+            return
+        sent_at, view = taken
+        self._view_at = sent_at
+        if view.due_for is not None and view.due_for >= UNCLAIMED_SECONDS:
+            self._refill = True
+        if view.next_in is not None:
+            at = sent_at + max(0.0, view.next_in) + 0.001
+            if self._timer is None or at < self._timer:
+                self._timer = at
+        self._expiry_at = None if view.expiry_in is None else sent_at + max(0.0, view.expiry_in)
+
+    def _notifications_arrive(self, now: float) -> bool:
+        """Whether polling can stop: the LISTEN connection delivers (its self-probe or a
+        wake-up came back since it connected) and heartbeats bring fresh looks at the
+        queue, which stand in for the poll (docs/architecture.md, "Idle cost")."""
+        return (
+            not self.burst
+            and self._listen is not None
+            and self.probe.state is listen.ListenState.OK
+            and self._view_at is not None
+            and now - self._view_at < STALE_HEARTBEATS * self.idle_heartbeat
+        )
+
     def _admit_generic(self, report: TickReport, now: float, generic_exhausted: bool) -> None:
         timer_due = self._timer is not None and now >= self._timer
-        if self._free() > 0 and (self._refill or now >= self._next_poll or timer_due):
+        poll_due = now >= self._next_poll and not self._notifications_arrive(now)
+        if self._free() > 0 and (self._refill or poll_due or timer_due):
             if timer_due:
                 self._timer = None
             got = [] if generic_exhausted else self._claim_generic()
@@ -511,7 +556,7 @@ class WorkerDispatchCoordinator:
         return len(finished)
 
     def _recover(self) -> int:
-        results = claims.recover()
+        results = claims.recover(refresh=True)
         settled = [r for r in results if r.outcome is not None]
         for r in results:
             if r.outcome is None:  # isolated by the pass: rolled back alone, left RUNNING
@@ -533,8 +578,10 @@ class WorkerDispatchCoordinator:
             )
         self._count("recovered", len(settled))
         if settled:
-            self._refill = True  # a successor may be due at once
-        claims.refresh_blocked()
+            self._refill = True  # a successor may be due at once (and sets the timer)
+            # Wake the fleet for the successors: the first-ranked worker of each claims it
+            # or, if its backoff has not passed, sets its timer to it.
+            services.notify_many([r.run_id for r in settled if r.outcome == Status.RETRY_SCHEDULED])
         return len(settled)
 
     def _release_all(self) -> None:
@@ -661,9 +708,12 @@ class WorkerDispatchCoordinator:
     def _next_timeout(self) -> float:
         now = time.monotonic()
         deadlines = [self._next_recovery]
+        if self._expiry_at is not None:
+            deadlines.append(self._expiry_at)
         if not self.stopping:
             if self._free() > 0:
-                deadlines.append(self._next_poll)
+                if not self._notifications_arrive(now):
+                    deadlines.append(self._next_poll)
                 if self._timer is not None:
                     deadlines.append(self._timer)
                 if self._handoffs:
@@ -677,6 +727,8 @@ class WorkerDispatchCoordinator:
             deadlines.append(probe_at)
         if self._db_backoff_until > now:
             deadlines.append(self._db_backoff_until)
+        elif self._refill and self._free() > 0 and not self.stopping:
+            return 0.0  # a refill was asked for after this iteration's admission (recovery)
         return max(0.0, min(deadlines) - now)
 
     def _wait(self, timeout: float) -> None:
@@ -764,8 +816,8 @@ class WorkerDispatchCoordinator:
         stats.update(self.probe.stats())
         stats["free_slots"] = 0 if self.stopping else self._free()
         sent_at = time.monotonic()
-        beats, peers = claims.heartbeat_and_peers(
-            PEER_STALE_SECONDS,
+        beats, peers, view = claims.heartbeat_and_peers(
+            STALE_HEARTBEATS * self.idle_heartbeat,
             self.worker_id,
             [
                 (
@@ -780,6 +832,8 @@ class WorkerDispatchCoordinator:
         )
         with self._lock:
             self._peers = peers
+            self._view = (sent_at, view)
+        self._wake()  # the main thread applies the view (_take_view)
         for e in held:
             beat = beats.get(e.claimed.attempt_id)
             if beat is None:
@@ -800,7 +854,7 @@ class WorkerDispatchCoordinator:
     def _heartbeat_interval(self) -> float:
         with self._lock:
             leases = [e.control.lease_seconds for e in self.executions.values()]
-        return min(leases) / 3 if leases else IDLE_HEARTBEAT_SECONDS
+        return min(leases) / 3 if leases else self.idle_heartbeat
 
     def _enforce_stops(self) -> float | None:
         """Time out what is past its deadline, and interrupt again what was told to stop
@@ -822,7 +876,9 @@ class WorkerDispatchCoordinator:
         return nearest
 
     def _heartbeat_loop(self) -> None:
-        next_beat = math.inf
+        # The first heartbeat at once: its look at the queue times the first recovery
+        # pass and the timer, and lets polling stop, without waiting an idle period.
+        next_beat = time.monotonic()
         while not self._stop_threads.is_set():
             deadline = self._enforce_stops()
             interval = self._heartbeat_interval()

@@ -23,9 +23,9 @@ log = logging.getLogger("dispatch.maintenance")
 
 
 def tick_seconds() -> float:
-    """How often the loop looks: a tenth of the retention interval, between 1 s and 60 s,
-    so an idle worker spends about one statement a minute here at the defaults."""
-    return min(60.0, max(1.0, conf.retention_interval() / 10))
+    """How often the loop looks: a fifth of the retention interval, between 1 s and 60 s,
+    so an idle worker spends one transaction a minute here at the defaults."""
+    return min(60.0, max(1.0, conf.retention_interval() / 5))
 
 
 # Tasks of one tick, in order. Each is called with no argument and gates itself.

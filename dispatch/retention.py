@@ -200,8 +200,9 @@ def _record(report: PruneReport) -> None:
 
 
 def begin_pass(key: str, interval: float) -> bool:
-    """True for exactly one caller per `interval` seconds of database time."""
-    with connection.cursor() as cursor:
+    """True for exactly one caller per `interval` seconds of database time. One
+    transaction (the maintenance loop's whole cost per tick when it is not its turn)."""
+    with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute(ops_query("ops_state_ensure"), {"key": key})
         cursor.execute(ops_query("ops_state_begin"), {"key": key, "interval": interval})
         return cursor.fetchone() is not None

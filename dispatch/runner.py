@@ -20,7 +20,7 @@ import psycopg
 from django.db import Error as DjangoDBError
 from django.db import connection
 
-from dispatch import claims, crypto
+from dispatch import claims, crypto, services
 from dispatch.claims import ClaimedAttempt
 from dispatch.connectors import incremental, registry
 from dispatch.connectors.base import (
@@ -30,7 +30,7 @@ from dispatch.connectors.base import (
     Stopped,
     copy_format,
 )
-from dispatch.states import Reason
+from dispatch.states import Reason, Status
 
 log = logging.getLogger("dispatch.runner")
 
@@ -325,6 +325,11 @@ class Runner:
         else:
             self.on_event(f"settled_{status.lower()}")
             self._log("attempt settled status=%s reason=%s", status, reason)
+            if status == Status.RETRY_SCHEDULED:
+                # A successor waits for its backoff: wake the fleet, so that whichever
+                # worker ranks first learns its due time (a directed claim that finds it
+                # not yet due sets that worker's timer), not only this busy one.
+                services.notify(self.claimed.run_id)
         return status
 
     def execute(self) -> str | None:

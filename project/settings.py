@@ -144,7 +144,8 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 DISPATCH_ENCRYPTION_KEYS = env.list("DISPATCH_ENCRYPTION_KEYS", default=[])
 DISPATCH_CHANNEL = env.str("DISPATCH_CHANNEL", default="dispatch_runs")
 DISPATCH_POLL_INTERVAL = _float("DISPATCH_POLL_INTERVAL", 2.0)
-DISPATCH_RECOVERY_INTERVAL = _float("DISPATCH_RECOVERY_INTERVAL", 5.0)
+DISPATCH_IDLE_HEARTBEAT_SECONDS = _float("DISPATCH_IDLE_HEARTBEAT_SECONDS", 10.0)
+DISPATCH_RECOVERY_INTERVAL = _float("DISPATCH_RECOVERY_INTERVAL", 60.0)
 DISPATCH_SHUTDOWN_GRACE_SECONDS = _float("DISPATCH_SHUTDOWN_GRACE_SECONDS", 10.0)
 DISPATCH_MISFIRE_GRACE_SECONDS = _float("DISPATCH_MISFIRE_GRACE_SECONDS", 60.0)
 DISPATCH_SCHEDULE_CHANNEL = env.str("DISPATCH_SCHEDULE_CHANNEL", default="dispatch_schedules")
@@ -160,7 +161,7 @@ if DISPATCH_LISTEN_URL:
     # The working connections may be pooled per transaction: Django's server-side cursors
     # (WITH HOLD in autocommit) would outlive their transaction there.
     DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
-DISPATCH_LISTEN_PROBE_INTERVAL = _float("DISPATCH_LISTEN_PROBE_INTERVAL", 30.0)
+DISPATCH_LISTEN_PROBE_INTERVAL = _float("DISPATCH_LISTEN_PROBE_INTERVAL", 60.0)
 DISPATCH_LISTEN_PROBE_TIMEOUT = _float("DISPATCH_LISTEN_PROBE_TIMEOUT", 5.0)
 # Directories csv datasources may use as base_dir (comma-separated); empty: any directory
 # but / and the system directories (docs/security.md).

@@ -15,6 +15,7 @@ os.environ.setdefault(
 )
 os.environ.setdefault("DISPATCH_POLL_INTERVAL", "0.5")
 os.environ.setdefault("DISPATCH_RECOVERY_INTERVAL", "1")
+os.environ.setdefault("DISPATCH_IDLE_HEARTBEAT_SECONDS", "1")
 os.environ.setdefault("DISPATCH_SHUTDOWN_GRACE_SECONDS", "5")
 
 from project.settings import *  # noqa: E402,F403

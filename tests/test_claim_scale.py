@@ -1,7 +1,8 @@
 """The worker's queries at queue scale: the claim reads what it returns, whatever sits
 beside it (blocked, due, finished work; fresh or stale statistics); the timer query's plan
 bounds the walk by an index condition on available_at; the refresh of blocked marks is
-bounded by the number of bindings.
+bounded by the number of bindings; the heartbeat's look at the queue reads single index
+entries.
 
 Counts work (EXPLAIN (ANALYZE, BUFFERS)), never times it. 20,000 due PENDING attempts are
 inserted with INSERT ... SELECT generate_series and ANALYZEd."""
@@ -9,10 +10,12 @@ inserted with INSERT ... SELECT generate_series and ANALYZEd."""
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.db import connection
+from django.db.models.functions import Now
 
 from dispatch import claims
 from dispatch.sqlfiles import query
@@ -29,6 +32,10 @@ MAX_BUFFERS = 20
 # it walked them.
 MAX_CLAIM_BUFFERS = 2_500
 MAX_DIRECTED_BUFFERS = 400
+# Attempt rows a claim reads: about one per attempt it claims, and a few hundred at most
+# where the planner rightly scans a small table (the wanted binding's own rows); a walk
+# beside the 20,000 reads them all.
+MAX_ROWS_READ = 300
 # The refresh: one pass over the bindings with a few index probes each.
 MAX_REFRESH_BUFFERS = 200
 
@@ -107,20 +114,34 @@ def finished(binding_id: str, n: int) -> None:
         )
 
 
-def claim_buffers(limit: int = 10, run: str | None = None) -> tuple[int, int]:
-    """Buffers the real claim call reads (hit + read, every statement inside it), and
-    how many attempts it claimed; rolled back, so the queue is unchanged."""
+def attempt_tuples_read() -> int:
+    """Heap tuples of dispatch_attempt this transaction has read so far (fetched by index
+    scans or read by sequential ones): the server's per-transaction counters."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT idx_tup_fetch + seq_tup_read FROM pg_stat_xact_user_tables"
+            " WHERE relname = 'dispatch_attempt'"
+        )
+        return int(cursor.fetchone()[0])
+
+
+def claim_buffers(limit: int = 10, run: str | None = None) -> tuple[int, int, int]:
+    """Buffers the real claim call reads (hit + read, every statement inside it), how many
+    attempts it claimed, and how many attempt rows it read; rolled back, so the queue is
+    unchanged."""
     with connection.cursor() as cursor:
         cursor.execute("SAVEPOINT measure")
+        before = attempt_tuples_read()
         cursor.execute(
             "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)"
-            " SELECT * FROM dispatch_claim_v3('measure', %s::uuid, %s, %s)",
+            " SELECT * FROM dispatch_claim_v4('measure', %s::uuid, %s, %s)",
             [run, limit, run is None],
         )
         (raw,) = cursor.fetchone()
+        read = attempt_tuples_read() - before
         cursor.execute("ROLLBACK TO SAVEPOINT measure")
     plan = (json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]
-    return plan["Shared Hit Blocks"] + plan["Shared Read Blocks"], int(plan["Actual Rows"])
+    return plan["Shared Hit Blocks"] + plan["Shared Read Blocks"], int(plan["Actual Rows"]), read
 
 
 def analyze() -> None:
@@ -132,7 +153,7 @@ def analyze() -> None:
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     "beside",
-    ["nothing", "blocked", "blocked-stats-while-empty", "due-eligible", "finished"],
+    ["nothing", "blocked", "blocked-stats-while-empty", "due-eligible", "finished", "at-capacity"],
 )
 def test_claim__reads_a_bounded_number_of_buffers_whatever_sits_beside(beside: str) -> None:
     from dispatch.models import JobBinding, Run
@@ -150,19 +171,31 @@ def test_claim__reads_a_bounded_number_of_buffers_whatever_sits_beside(beside: s
         queue(str(other.pk), DUE, due=True)
     elif beside == "finished":
         finished(str(other.pk), 100_000)
+    elif beside == "at-capacity":
+        # A busy binding (max_concurrency 1, one run RUNNING) with a queue older than the
+        # eligible ten: version 3 walked it, filtering each entry by capacity.
+        JobBinding.objects.filter(pk=other.pk).update(max_concurrency=1)
+        queue(str(other.pk), 1, due=True)
+        assert len(claims.claim("busy", limit=1)) == 1
+        queue(str(other.pk), DUE, due=True)
     queue(str(wanted.pk), 10, due=True)
     if beside != "blocked-stats-while-empty":
         analyze()
     claim_buffers()  # the first call in a session compiles the function: not counted
-    buffers, claimed = claim_buffers()
+    buffers, claimed, read = claim_buffers()
     assert claimed == 10
     # The directed claim of one notified run (no generic fallback).
     newest = Run.objects.filter(binding=wanted).order_by("-created_at").first()
-    directed, one = claim_buffers(limit=1, run=str(newest.pk))
+    claim_buffers(limit=1, run=str(newest.pk))  # its statements planned: not counted
+    directed, one, directed_read = claim_buffers(limit=1, run=str(newest.pk))
     assert one == 1
-    print(f"{beside}: {buffers} buffers, directed {directed}")
+    print(f"{beside}: {buffers} buffers, {read} rows; directed {directed}, {directed_read}")
     assert buffers <= MAX_CLAIM_BUFFERS, (beside, buffers)
     assert directed <= MAX_DIRECTED_BUFFERS, (beside, directed)
+    # The rows it read are the rows it returned (plus the re-check of each), not the
+    # 20,000 beside them: version 3 read 20,010 beside the busy binding's queue.
+    assert read <= MAX_ROWS_READ, (beside, read)
+    assert directed_read <= MAX_ROWS_READ, (beside, directed_read)
 
 
 @pytest.mark.django_db
@@ -177,9 +210,115 @@ def test_refresh_blocked__reads_a_bounded_number_of_buffers_beside_a_blocked_bac
     assert claims.refresh_blocked() == 0  # nothing was stale; and the function is compiled
     with connection.cursor() as cursor:
         cursor.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT dispatch_refresh_blocked_v3()"
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT dispatch_refresh_blocked_v4()"
         )
         (raw,) = cursor.fetchone()
     plan = (json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]
     buffers = plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
     assert buffers <= MAX_REFRESH_BUFFERS, buffers
+
+
+# --- the heartbeat's look at the queue -------------------------------------------------
+# Three single-entry probes of two partial indexes and one heap page each: about a dozen
+# buffers. A walk of the pending index past 20,000 blocked attempts reads hundreds.
+MAX_VIEW_BUFFERS = 60
+
+
+def view_buffers() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM dispatch_queue_view_v4()"
+        )
+        (raw,) = cursor.fetchone()
+    plan = (json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]
+    return int(plan["Shared Hit Blocks"] + plan["Shared Read Blocks"])
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "beside", ["nothing", "blocked", "blocked-stats-while-empty", "finished", "at-capacity"]
+)
+def test_queue_view__sees_only_eligible_work_and_reads_a_bounded_number_of_buffers(
+    beside: str,
+) -> None:
+    from dispatch.models import Attempt, JobBinding
+
+    # Committed, so the table can be vacuumed first: the other tests here roll back
+    # tens of thousands of inserts, whose dead index entries a probe would step over
+    # until a vacuum (as in production between autovacuums; measured apart).
+    with connection.cursor() as cursor:
+        cursor.execute("VACUUM dispatch_attempt")
+    wanted = BindingFactory(max_concurrency=100)
+    other = BindingFactory(max_concurrency=100)
+    if beside == "blocked-stats-while-empty":
+        analyze()
+    if beside.startswith("blocked"):
+        JobBinding.objects.filter(pk=other.pk).update(enabled=False)
+        queue(str(other.pk), DUE, due=True)  # due, and older than anything eligible
+        queue(str(other.pk), DUE, due=False)  # and due in an hour
+    elif beside == "finished":
+        finished(str(other.pk), 100_000)
+    elif beside == "at-capacity":
+        JobBinding.objects.filter(pk=other.pk).update(max_concurrency=1)
+        queue(str(other.pk), 1, due=True)
+        assert len(claims.claim("busy", limit=1)) == 1
+        queue(str(other.pk), DUE, due=True)  # held: marked on insert
+        queue(str(other.pk), DUE, due=False)
+        Attempt.objects.filter(status="RUNNING").update(lease_until=Now() + timedelta(seconds=3600))
+    if beside != "blocked-stats-while-empty":
+        analyze()
+    # Blocked work is neither due nor a timer for the worker.
+    view = claims.queue_view()
+    assert view.due_for is None and view.next_in is None, view
+    if beside != "at-capacity":
+        assert view.expiry_in is None, view
+
+    queue(str(wanted.pk), 1, due=False)
+    view = claims.queue_view()
+    assert view.due_for is None and view.next_in is not None, view
+    assert 3500 < view.next_in <= 3600, view
+    queue(str(wanted.pk), 10, due=True)
+    running = Attempt.objects.filter(run__binding=wanted, available_at__lte=Now()).first()
+    Attempt.objects.filter(pk=running.pk).update(
+        status="RUNNING",
+        worker_id="w",
+        lease_token=1,
+        claimed_at=Now(),
+        lease_until=Now() + timedelta(seconds=30),
+    )
+    view = claims.queue_view()
+    # The oldest of the ten has been due for 10 s (queue() spaces them a second apart).
+    assert view.due_for is not None and 8 < view.due_for < 60, view
+    assert view.expiry_in is not None and 25 < view.expiry_in <= 30, view  # the earliest
+
+    view_buffers()  # a plan invalidated meanwhile (an autovacuum's ANALYZE) is re-made here
+    buffers = view_buffers()
+    print(f"{beside}: {buffers} buffers")
+    assert buffers <= MAX_VIEW_BUFFERS, (beside, buffers)
+
+
+def run_table_scans() -> tuple[int, int]:
+    """Sequential and index scans of dispatch_run in this transaction so far."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT seq_scan, idx_scan FROM pg_stat_xact_user_tables WHERE relname = 'dispatch_run'"
+        )
+        seq, idx = cursor.fetchone()
+    return int(seq), int(idx)
+
+
+@pytest.mark.django_db
+def test_attempt_insert_trigger__stays_on_primary_keys_under_statistics_of_an_empty_queue():
+    """The insert trigger looks up each attempt's run and binding, with plans cached for
+    the session. Planned at the first row of a bulk insert after statistics of an empty
+    queue (the run table then one page), the lookup scanned the whole, growing run table
+    for every attempt: 20,000 queued in one statement took a minute. Now each is one
+    primary-key probe, whatever the statistics. Counted by the server's per-transaction
+    scan counters."""
+    binding = BindingFactory()
+    analyze()  # the queue is empty: statistics that say so (and cached plans re-made)
+    seq_before, idx_before = run_table_scans()
+    queue(str(binding.pk), DUE, due=True)  # runs and their attempts in one statement
+    seq, idx = run_table_scans()
+    assert seq - seq_before == 0, seq - seq_before  # version 3's trigger: 20,000
+    assert idx - idx_before >= DUE

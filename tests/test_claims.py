@@ -308,3 +308,76 @@ def test_claim__work_unblocked_after_a_disable_runs_in_its_order():
     assert [c.run_id for c in claims.claim("w1", limit=10)] == [later]
     JobBinding.objects.filter(pk=binding.pk).update(enabled=True)
     assert [c.run_id for c in claims.claim("w1", limit=10)] == first
+
+
+# --- capacity kept on the attempt row (dispatch_v4.sql) ------------------------------------
+def marks(*runs: Run) -> list[str | None]:
+    return [Attempt.objects.get(run=r, status=Status.PENDING).blocked_reason for r in runs]
+
+
+CAP = BlockedReason.BINDING_AT_CAPACITY
+
+
+def test_capacity__a_filled_binding_holds_its_queue_and_a_finished_run_lets_the_oldest_go():
+    binding = BindingFactory(max_concurrency=1)
+    first, second, third = (trigger(binding) for _ in range(3))
+    assert marks(first, second, third) == [None, None, None]  # queued while it had room
+    got = claim_one(limit=5)
+    assert got.run_id == first.id
+    # The claim that filled the binding marked the rest: no later pick walks them.
+    assert marks(second, third) == [CAP, CAP]
+    late = trigger(binding)
+    assert marks(late) == [CAP]  # queued while full: marked on insert
+    assert claims.claim("w2", limit=5) == []
+    assert claims.settle(got.attempt_id, got.lease_token, "SUCCEEDED") == Status.SUCCEEDED
+    # The room the run made lets exactly the oldest one go.
+    assert marks(second, third, late) == [None, CAP, CAP]
+    assert [c.run_id for c in claims.claim("w2", limit=5)] == [second.id]
+    assert marks(third, late) == [CAP, CAP]
+
+
+def test_capacity__a_changed_max_concurrency_releases_or_holds_in_order():
+    binding = BindingFactory(max_concurrency=1)
+    runs = [trigger(binding) for _ in range(4)]
+    claim_one(limit=1)
+    assert marks(*runs[1:]) == [CAP, CAP, CAP]
+    JobBinding.objects.filter(pk=binding.pk).update(max_concurrency=3)
+    assert marks(*runs[1:]) == [None, None, CAP]  # room for two more: the oldest two
+    JobBinding.objects.filter(pk=binding.pk).update(max_concurrency=1)
+    assert marks(*runs[1:]) == [CAP, CAP, CAP]  # full again: held
+
+
+def test_capacity__an_expired_lease_makes_room_for_the_oldest_waiting_run_not_its_retry():
+    from tests.helpers import expire
+
+    binding = BindingFactory(max_concurrency=1, job__max_attempts=3)
+    running, waiting = trigger(binding), trigger(binding)
+    got = claim_one(limit=1)
+    assert got.run_id == running.id and marks(waiting) == [CAP]
+    expire(Attempt.objects.get(pk=got.attempt_id))
+    [settled] = claims.recover()
+    assert settled.outcome == Status.RETRY_SCHEDULED
+    # The retry was queued behind the waiting run, which is older: the room goes to it.
+    assert marks(waiting, running) == [None, CAP]
+    assert [c.run_id for c in claims.claim("w2", limit=5)] == [waiting.id]
+
+
+def test_capacity__enabling_a_full_binding_turns_its_disabled_marks_into_capacity_marks():
+    binding = BindingFactory(max_concurrency=2)
+    JobBinding.objects.filter(pk=binding.pk).update(enabled=False)
+    runs = [trigger(binding) for _ in range(4)]
+    assert set(marks(*runs)) == {BlockedReason.BINDING_DISABLED}
+    JobBinding.objects.filter(pk=binding.pk).update(enabled=True)
+    assert marks(*runs) == [None, None, CAP, CAP]  # its room, oldest first
+    assert [c.run_id for c in claims.claim("w1", limit=5)] == [r.id for r in runs[:2]]
+    assert claims.refresh_blocked() == 0  # nothing stale
+
+
+def test_capacity__the_refresh_repairs_a_capacity_mark_left_stale_either_way():
+    binding = BindingFactory(max_concurrency=1)
+    held, free = trigger(binding), trigger(BindingFactory(max_concurrency=1))
+    claim_one(run_id=trigger(binding).id, limit=1, generic=False)  # fills `binding`
+    Attempt.objects.filter(run=held).update(blocked_reason=None)  # a straggler
+    Attempt.objects.filter(run=free).update(blocked_reason=CAP)  # a mark nobody let go
+    assert claims.refresh_blocked() == 2
+    assert marks(held, free) == [CAP, None]

@@ -31,7 +31,8 @@ def test_metrics__refused_without_staff_or_token(client):
 
 
 def test_metrics__series_after_a_few_runs(client):
-    ok, blocked = BindingFactory(name="b-ok"), BindingFactory(name="b-off", enabled=False)
+    ok = BindingFactory(name="b-ok", max_concurrency=2)  # room for the due one beside RUNNING
+    blocked = BindingFactory(name="b-off", enabled=False)
     done = trigger(ok)
     [c] = claims.claim("w-m", run_id=done.id, limit=1, generic=False)
     claims.settle(c.attempt_id, c.lease_token, "SUCCEEDED")

@@ -152,7 +152,11 @@ def test_connection_budget__direct_worker_listen_main_heartbeat_and_one_per_busy
     + 3 slots."""
     direct = Processes(tmp_path)
     # Its own application name: PgBouncer's server connections carry the default one.
-    direct.env_overrides = {"DATABASE_URL": test_database_url() + "?application_name=w-budget"}
+    direct.env_overrides = {
+        "DATABASE_URL": test_database_url() + "?application_name=w-budget",
+        # The maintenance loop ticks every fifth of this: its connection within 10 s.
+        "DISPATCH_RETENTION_INTERVAL": "50",
+    }
     try:
         binding = BindingFactory(max_concurrency=3, job__source_spec=test_worker.slow_spec(20))
         start_worker(direct, "--concurrency", "4", "--worker-id", "w-budget")

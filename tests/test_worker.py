@@ -288,3 +288,54 @@ def test_worker__sleeps_exactly_until_a_retry_is_due_not_until_the_next_poll(pro
     assert (second.available_at - first.finished_at).total_seconds() >= 1
     assert second.claimed_at >= second.available_at
     assert waited < 5
+
+
+# Polling at 30 s and the other intervals at their defaults: only the timer can claim a
+# retry within a second of its available_at.
+SLOW_POLLING = {
+    "DISPATCH_POLL_INTERVAL": "30",
+    "DISPATCH_IDLE_HEARTBEAT_SECONDS": "10",
+    "DISPATCH_RECOVERY_INTERVAL": "60",
+}
+
+
+def test_worker__a_retry_that_recovery_creates_is_claimed_when_due_not_at_the_next_pass(
+    processes,
+):
+    from tests.helpers import claim_one, expire
+
+    binding = BindingFactory(
+        job__max_attempts=2, job__backoff_seconds=3, job__backoff_max_seconds=3
+    )
+    run = trigger(binding)
+    gone = claim_one("gone-worker")  # a worker that died holding the attempt
+    expire(Attempt.objects.get(pk=gone.attempt_id))
+    start_worker(processes, env=worker_env(**SLOW_POLLING))
+    finished(run, Status.SUCCEEDED, timeout=20)
+    first, second = attempts_of(run)
+    assert (first.status, first.reason) == (Status.RETRY_SCHEDULED, Reason.LEASE_EXPIRED)
+    # Recovered by the new worker's first pass; equal jitter puts the retry 1.5-3 s later.
+    assert (second.available_at - first.finished_at).total_seconds() >= 1.4
+    late = (second.claimed_at - second.available_at).total_seconds()
+    assert 0 <= late < 1, late
+
+
+def test_worker__a_notified_run_not_yet_due_sets_the_timer_of_the_worker_that_misses_it(
+    processes,
+):
+    from datetime import timedelta
+
+    from django.db import transaction
+    from django.db.models.functions import Now
+
+    binding = BindingFactory()
+    start_worker(processes, env=worker_env(**SLOW_POLLING))
+    # An attempt due in 3 s whose notification arrives now (what an operator's "run
+    # later" or another worker's retry looks like to this worker).
+    with transaction.atomic():
+        run = trigger(binding)
+        Attempt.objects.filter(run=run).update(available_at=Now() + timedelta(seconds=3))
+    finished(run, Status.SUCCEEDED, timeout=20)
+    [attempt] = attempts_of(run)
+    late = (attempt.claimed_at - attempt.available_at).total_seconds()
+    assert 0 <= late < 1, late

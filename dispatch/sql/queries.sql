@@ -2,8 +2,8 @@
 -- with dispatch.sqlfiles.query(); parameters are %(name)s placeholders.
 
 -- name: claim
--- The claim, in one round trip (see dispatch_claim_v3).
-SELECT * FROM dispatch_claim_v3(%(worker)s, %(run)s, %(limit)s, %(generic)s);
+-- The claim, in one round trip (see dispatch_claim_v4).
+SELECT * FROM dispatch_claim_v4(%(worker)s, %(run)s, %(limit)s, %(generic)s);
 
 -- name: settle
 -- A guarded settlement of one attempt (see dispatch_settle_v2); NULL = lease lost.
@@ -28,6 +28,12 @@ SELECT id FROM dispatch_worker
    AND heartbeat_at > clock_timestamp() - make_interval(secs => %(stale)s)
    AND coalesce((stats ->> 'free_slots')::int, 1) > 0;
 
+-- name: queue_view
+-- The worker's look at the queue, in the heartbeat's transaction (see
+-- dispatch_queue_view_v4): seconds the oldest ready attempt has been due, seconds to the
+-- next due attempt, seconds to the earliest lease expiry.
+SELECT * FROM dispatch_queue_view_v4();
+
 -- name: claimable
 -- The handoff check: does the run still have a due, unblocked PENDING attempt? Through
 -- the unique live-attempt index.
@@ -37,8 +43,8 @@ SELECT 1 FROM dispatch_attempt
 
 -- name: refresh_blocked
 -- Repairs stale eligibility marks; bounded by the number of bindings (see
--- dispatch_refresh_blocked_v3).
-SELECT dispatch_refresh_blocked_v3();
+-- dispatch_refresh_blocked_v4).
+SELECT dispatch_refresh_blocked_v4();
 
 -- name: next_available_in
 -- Seconds until the earliest future PENDING attempt becomes due (by database time), for

@@ -6,8 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from dispatch import services
-from dispatch.coordinator import IDLE_HEARTBEAT_SECONDS
+from dispatch import conf, services
 from dispatch.management.commands._common import binding_from_arg
 from dispatch.models import Run, Worker
 from dispatch.states import TERMINAL_RUN_STATUSES, Status, Trigger
@@ -50,12 +49,12 @@ class Command(BaseCommand):
             if status in TERMINAL_RUN_STATUSES:
                 break
             if status == Status.PENDING and time.monotonic() >= next_worker_check:
-                next_worker_check = time.monotonic() + IDLE_HEARTBEAT_SECONDS
+                next_worker_check = time.monotonic() + conf.idle_heartbeat_seconds()
                 live = live_workers()
                 if not live and not warned:
                     self.stderr.write(
                         f"No live worker: no `runworker` has heartbeated in the last "
-                        f"{LIVE_WORKER_SECONDS:.0f} s. Run {run.id} waits until one starts "
+                        f"{live_worker_seconds():.0f} s. Run {run.id} waits until one starts "
                         "(manage.py runworker)."
                     )
                     warned = True
@@ -70,9 +69,10 @@ class Command(BaseCommand):
         self.stderr.write(f"Run {run.id} SUCCEEDED.")
 
 
-# A worker heartbeats its row at least every IDLE_HEARTBEAT_SECONDS: three missed
-# heartbeats and it no longer counts as live.
-LIVE_WORKER_SECONDS = 3 * IDLE_HEARTBEAT_SECONDS
+def live_worker_seconds() -> float:
+    """A worker heartbeats its row at least every DISPATCH_IDLE_HEARTBEAT_SECONDS: three
+    missed heartbeats and it no longer counts as live."""
+    return 3 * conf.idle_heartbeat_seconds()
 
 
 def live_workers() -> int:
@@ -81,5 +81,5 @@ def live_workers() -> int:
 
     return Worker.objects.filter(
         stopped_at__isnull=True,
-        heartbeat_at__gte=Now() - timedelta(seconds=LIVE_WORKER_SECONDS),
+        heartbeat_at__gte=Now() - timedelta(seconds=live_worker_seconds()),
     ).count()
