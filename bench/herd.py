@@ -155,7 +155,9 @@ def main(argv: list[str]) -> int:
         pg.create_database(DB)
         env = common.setup_django(server, DB)
         common.ensure_peer_schema(server)
-        report = common.Report("Idle fleets: transactions per trigger and idle load", argv, server)
+        report = common.Report(
+            "Idle fleets: transactions per trigger and idle load", ["herd", *argv], server
+        )
         cases: dict[str, Any] = {}
         for w in fleets:
             cases[f"dispatch-{w}"] = lambda w=w: dispatch_case(server, env, w, args)
