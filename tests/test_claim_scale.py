@@ -144,6 +144,15 @@ def claim_buffers(limit: int = 10, run: str | None = None) -> tuple[int, int, in
     return plan["Shared Hit Blocks"] + plan["Shared Read Blocks"], int(plan["Actual Rows"]), read
 
 
+def make_busy(binding_id: str) -> None:
+    """A binding at capacity: max_concurrency 1 and one run RUNNING."""
+    from dispatch.models import JobBinding
+
+    JobBinding.objects.filter(pk=binding_id).update(max_concurrency=1)
+    queue(binding_id, 1, due=True)
+    assert len(claims.claim("busy", limit=1)) == 1
+
+
 def analyze() -> None:
     with connection.cursor() as cursor:
         for table in ("dispatch_run", "dispatch_attempt", "dispatch_jobbinding"):
@@ -172,11 +181,9 @@ def test_claim__reads_a_bounded_number_of_buffers_whatever_sits_beside(beside: s
     elif beside == "finished":
         finished(str(other.pk), 100_000)
     elif beside == "at-capacity":
-        # A busy binding (max_concurrency 1, one run RUNNING) with a queue older than the
-        # eligible ten: version 3 walked it, filtering each entry by capacity.
-        JobBinding.objects.filter(pk=other.pk).update(max_concurrency=1)
-        queue(str(other.pk), 1, due=True)
-        assert len(claims.claim("busy", limit=1)) == 1
+        # A queue older than the eligible ten: version 3 walked it, filtering each entry
+        # by capacity.
+        make_busy(str(other.pk))
         queue(str(other.pk), DUE, due=True)
     queue(str(wanted.pk), 10, due=True)
     if beside != "blocked-stats-while-empty":
@@ -259,9 +266,7 @@ def test_queue_view__sees_only_eligible_work_and_reads_a_bounded_number_of_buffe
     elif beside == "finished":
         finished(str(other.pk), 100_000)
     elif beside == "at-capacity":
-        JobBinding.objects.filter(pk=other.pk).update(max_concurrency=1)
-        queue(str(other.pk), 1, due=True)
-        assert len(claims.claim("busy", limit=1)) == 1
+        make_busy(str(other.pk))
         queue(str(other.pk), DUE, due=True)  # held: marked on insert
         queue(str(other.pk), DUE, due=False)
         Attempt.objects.filter(status="RUNNING").update(lease_until=Now() + timedelta(seconds=3600))

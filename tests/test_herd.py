@@ -39,8 +39,13 @@ def test_herd__8_idle_workers_50_triggers_at_most_2_claim_transactions_each(
 ) -> None:
     # Polling is a separate safety net (a lost notification costs one poll interval);
     # set long here so that only the wake-ups are counted.
+    # Heartbeats at the default interval: each worker's view of its peers stays fresh
+    # for three of them (the test settings' 1 s lets a loaded machine drop peers).
+    env = worker_env(DISPATCH_IDLE_HEARTBEAT_SECONDS="10")
     procs = [
-        processes.worker("--poll-interval", "600", "--concurrency", "2", "--worker-id", f"h{i}")
+        processes.worker(
+            "--poll-interval", "600", "--concurrency", "2", "--worker-id", f"h{i}", env=env
+        )
         for i in range(WORKERS)
     ]
     wait_until(lambda: Worker.objects.count() == WORKERS, message="8 workers registered")
@@ -70,8 +75,13 @@ def test_herd__8_idle_workers_50_triggers_at_most_2_claim_transactions_each(
     spent = claim_calls() - before
     assert spent <= 2 * TRIGGERS, (spent, [w.stats for w in Worker.objects.all()])
     assert Attempt.objects.filter(run_id__in=runs).count() == TRIGGERS  # each ran once
-    left = sum(int(w.stats.get("notifications_left_to_peers", 0)) for w in Worker.objects.all())
-    assert left >= (WORKERS - 2) * TRIGGERS // 2, left
+    # Most notifications did not become claims: a worker left it to the peer ranked
+    # first, or had no free slot (both are how a herd is avoided); ranking was used.
+    stats = [w.stats for w in Worker.objects.all()]
+    left = sum(int(st.get("notifications_left_to_peers", 0)) for st in stats)
+    busy = sum(int(st.get("notifications_without_slot", 0)) for st in stats)
+    assert left > 0, stats
+    assert left + busy >= (WORKERS - 2) * TRIGGERS, (left, busy, stats)
 
 
 IDLE_WORKERS = 4
