@@ -24,6 +24,7 @@ CREATE OR REPLACE FUNCTION dispatch_queue_view_v4(
 SET enable_sort = off
 SET enable_incremental_sort = off
 SET plan_cache_mode = force_generic_plan
+SET jit = off
 AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
@@ -98,6 +99,7 @@ RETURNS integer LANGUAGE plpgsql VOLATILE
 SET enable_sort = off
 SET enable_seqscan = off
 SET plan_cache_mode = force_generic_plan
+SET jit = off
 AS $$
 DECLARE
     v_room bigint;
@@ -141,6 +143,7 @@ RETURNS integer LANGUAGE plpgsql VOLATILE
 SET enable_sort = off
 SET enable_seqscan = off
 SET plan_cache_mode = force_generic_plan
+SET jit = off
 AS $$
 DECLARE
     v_ids uuid[];
@@ -311,6 +314,7 @@ CREATE OR REPLACE FUNCTION dispatch_claim_v4(
     directed boolean
 ) LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan
+SET jit = off
 SET enable_sort = off
 AS $$
 #variable_conflict use_column
@@ -514,8 +518,13 @@ BEGIN
     -- marked BINDING_AT_CAPACITY and leave the ready index, so no later pick walks them.
     -- Usually none or a few (the room a settlement let go); the first fill of a backlog
     -- queued while the binding had room marks it once.
-    FOR c IN SELECT DISTINCT x AS id FROM unnest(v_bindings) AS x ORDER BY 1 LOOP
-        PERFORM dispatch_hold_capacity_v4(c.id);
+    -- (A loop over the array, not a query: with sorts off a DISTINCT ... ORDER BY costs
+    -- enough to be JIT-compiled, 40 ms a claim. Holding marks SKIP LOCKED, so the order
+    -- of bindings does not matter.)
+    FOR i IN 1 .. cardinality(v_bindings) LOOP
+        IF array_position(v_bindings, v_bindings[i]) = i THEN
+            PERFORM dispatch_hold_capacity_v4(v_bindings[i]);
+        END IF;
     END LOOP;
 END
 $$;
@@ -526,6 +535,7 @@ CREATE OR REPLACE FUNCTION dispatch_refresh_blocked_v4()
 RETURNS integer LANGUAGE plpgsql VOLATILE
 SET enable_sort = off
 SET plan_cache_mode = force_generic_plan
+SET jit = off
 AS $$
 DECLARE
     b record;
