@@ -294,7 +294,9 @@ def stop_procs(procs: Sequence[Proc], *, sig: int = signal.SIGTERM, timeout: flo
             p.popen.wait(5)
 
 
-def wait_for(predicate: Callable[[], Any], *, timeout: float, what: str) -> Any:
+def wait_for(
+    predicate: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.02
+) -> Any:
     """Poll an observable state (a database count) until true, with a deadline."""
     deadline = time.monotonic() + timeout
     while True:
@@ -303,7 +305,88 @@ def wait_for(predicate: Callable[[], Any], *, timeout: float, what: str) -> Any:
             return value
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(interval)
+
+
+# --- CPU: where a benchmark's time goes -----------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu(pid: int, *, children: bool = False) -> float | None:
+    """user + system seconds of a live process (with its reaped children's if asked)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    ticks = int(fields[11]) + int(fields[12])
+    if children:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / _TICK
+
+
+def server_cpu(server: str) -> float | None:
+    """CPU seconds the PostgreSQL server has used so far (the postmaster with its reaped
+    backends, plus every live child), when it runs on this machine; else None."""
+    with connect(server, "postgres") as conn:
+        (backend,) = conn.execute("SELECT pg_backend_pid()").fetchone()
+        try:
+            stat = Path(f"/proc/{backend}/stat").read_text()
+        except OSError:
+            return None
+    postmaster = int(stat.rsplit(")", 1)[1].split()[1])
+    total = _proc_cpu(postmaster, children=True) or 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == postmaster:
+            total += _proc_cpu(int(entry.name)) or 0.0
+    return total
+
+
+def cpu_seconds(procs: Sequence[Proc], server: str = SERVER) -> dict[str, float | None]:
+    """CPU seconds so far of the benchmark's worker processes and of the server."""
+    workers = [_proc_cpu(p.popen.pid) for p in procs]
+    return {
+        "workers": sum(w for w in workers if w is not None),
+        "server": server_cpu(server),
+    }
+
+
+def wait_procs_cpu(
+    procs: Sequence[Proc], timeout: float, server: str = SERVER
+) -> dict[str, float | None]:
+    """`wait_procs`, returning the CPU seconds the processes used in all (from their
+    resource usage at exit) and the server's after they exited."""
+    deadline = time.monotonic() + timeout
+    used = 0.0
+    for p in procs:
+        while True:
+            pid, status, usage = os.wait4(p.popen.pid, os.WNOHANG)
+            if pid:
+                p.popen.returncode = os.waitstatus_to_exitcode(status)
+                used += usage.ru_utime + usage.ru_stime
+                break
+            if time.monotonic() > deadline:
+                stop_procs(procs, sig=signal.SIGKILL)
+                raise RuntimeError(f"{p.log.name} did not finish within {timeout}s")
+            time.sleep(0.05)
+    wait_procs(procs, timeout=1)  # exit codes checked as usual
+    return {"workers": used, "server": server_cpu(server)}
+
+
+def cpu_per_run(
+    before: dict[str, float | None], after: dict[str, float | None], n: int
+) -> dict[str, float | None]:
+    """Milliseconds of CPU per run, workers and server, between two readings."""
+    out: dict[str, float | None] = {}
+    for key in ("workers", "server"):
+        a, b = before[key], after[key]
+        out[f"{key}_ms"] = None if a is None or b is None else (b - a) * 1000 / n
+    return out
 
 
 # --- the peer: Procrastinate ------------------------------------------------------------
@@ -338,15 +421,16 @@ def reset_peer(server: str) -> None:
         )
 
 
-def peer_defer(server: str, n: int) -> None:
-    """Enqueue `n` no-op jobs with Procrastinate's own batch defer (one statement)."""
+def peer_defer(server: str, n: int, *, batch: int = 1000) -> None:
+    """Enqueue `n` no-op jobs with Procrastinate's own batch defer (one statement per
+    `batch` jobs)."""
     app = peer_app(db_url(server, PEER_DB))
 
     async def go() -> None:
         async with app.open_async():
             task = app.tasks["noop"]
-            for lo in range(0, n, 1000):
-                await task.batch_defer_async(*[{} for _ in range(min(1000, n - lo))])
+            for lo in range(0, n, batch):
+                await task.batch_defer_async(*[{} for _ in range(min(batch, n - lo))])
 
     asyncio.run(go())
 

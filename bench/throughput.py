@@ -8,6 +8,7 @@ All three are timed in database time: first claim (or start) to last finish.
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -15,34 +16,64 @@ from typing import Any
 
 from bench import common
 
-# One lifecycle: the trigger's two inserts in one transaction, the claim function, the
-# settle function. `:b` picks one of the bindings; `\gset` keeps the claim's output.
+# One lifecycle through the statements the product runs: the trigger (one call of
+# `dispatch_trigger_v3`), the worker's claim (`dispatch_claim_v5`, limit 1) and its
+# settlement (`dispatch_settle_v2`). `:b` picks one of the bindings; `\gset` keeps the
+# claim's output.
 PGBENCH_SCRIPT = """\
 \\set b random(0, {last})
-BEGIN;
-SELECT gen_random_uuid() AS run \\gset
-INSERT INTO dispatch_run (id, binding_id, trigger, status, created_at, requested_by)
-  SELECT ':run'::uuid, id, 'API', 'PENDING', now(), '' FROM dispatch_jobbinding
-   WHERE name = 'bench-' || :b;
-INSERT INTO dispatch_attempt (id, run_id, number, origin, status, created_at, available_at,
-                              error, rows_read, rows_written)
-  VALUES (gen_random_uuid(), ':run'::uuid, 1, 'TRIGGER', 'PENDING', now(), now(), '', 0, 0);
-COMMIT;
-SELECT attempt_id, lease_token FROM dispatch_claim_v1('pgbench', NULL, 1) \\gset
-SELECT dispatch_settle_v1(':attempt_id'::uuid, :lease_token, 'SUCCEEDED', NULL, NULL, 0, 0);
+SELECT count(*) FROM dispatch_trigger_v3(
+  ARRAY(SELECT id FROM dispatch_jobbinding WHERE name = 'bench-' || :b), 'API', '',
+  NULL, NULL, NULL);
+SELECT attempt_id, lease_token FROM dispatch_claim_v5('pgbench', NULL, 1) \\gset
+SELECT dispatch_settle_v2(':attempt_id'::uuid, :lease_token, 'SUCCEEDED', NULL, NULL, 0, 0);
 """
 
 
 def dispatch_round(args: Any, env: dict[str, str]) -> dict[str, float]:
+    """Warm workers, then `args.runs` runs released at once: one `trigger_many` call (one
+    statement and transaction, a wake-up per run). With `--burst`: the runs queued first,
+    then drained by `runworker --burst` processes."""
+    from dispatch import services
+    from dispatch.models import JobBinding, Worker
+
     with common.connect(args.server, common.DISPATCH_DB) as conn:
         common.reset_dispatch(conn)
         common.make_bindings(args.bindings, max_concurrency=args.max_concurrency)
-        common.bulk_runs(conn, args.runs)
+        if args.burst:
+            common.bulk_runs(conn, args.runs)
         conn.execute("ANALYZE dispatch_run, dispatch_attempt")
         procs = common.start_workers(
-            args.workers, args.concurrency, env, burst=True, tag="throughput-dispatch"
+            args.workers, args.concurrency, env, burst=args.burst, tag="throughput-dispatch"
         )
-        common.wait_procs(procs, timeout=900)
+        try:
+            if not args.burst:
+                common.wait_for(
+                    lambda: Worker.objects.filter(stats__listen_healthy=1).count() == args.workers,
+                    timeout=120,
+                    what=f"{args.workers} dispatch workers listening",
+                )
+                bindings = list(JobBinding.objects.order_by("name"))
+                release = [bindings[i % len(bindings)] for i in range(args.runs)]
+            cpu0 = common.cpu_seconds(procs)
+            if not args.burst:
+                services.trigger_many(release, requested_by="bench")
+                common.wait_for(
+                    lambda: (
+                        conn.execute(
+                            "SELECT count(*) FROM dispatch_attempt WHERE status = 'SUCCEEDED'"
+                        ).fetchone()[0]
+                        >= args.runs
+                    ),
+                    timeout=900,
+                    what="every run to finish",
+                    interval=0.5,
+                )
+                cpu1 = common.cpu_seconds(procs)
+            else:
+                cpu1 = common.wait_procs_cpu(procs, timeout=900)
+        finally:
+            common.stop_procs(procs, sig=signal.SIGTERM)
         done, span = conn.execute(
             """
             SELECT count(*) FILTER (WHERE status = 'SUCCEEDED'),
@@ -54,20 +85,65 @@ def dispatch_round(args: Any, env: dict[str, str]) -> dict[str, float]:
             raise RuntimeError(f"dispatch: {done} of {args.runs} runs succeeded")
         stats = conn.execute(
             "SELECT coalesce(sum((stats->>'claims_generic')::int), 0), "
-            "coalesce(sum((stats->>'directed_misses')::int), 0) FROM dispatch_worker"
+            "coalesce(sum((stats->>'directed_misses')::int), 0), "
+            "coalesce(sum((stats->>'claims_at_settlement')::int), 0) FROM dispatch_worker"
         ).fetchone()
-    return {"rate": args.runs / span, "span": span, "generic": stats[0], "misses": stats[1]}
+    return {
+        "rate": args.runs / span,
+        "span": span,
+        "generic": stats[0],
+        "misses": stats[1],
+        "at_settlement": stats[2],
+        **common.cpu_per_run(cpu0, cpu1, args.runs),
+    }
 
 
 def peer_round(args: Any) -> dict[str, float]:
+    """Warm Procrastinate workers, then `args.runs` jobs released at once: one
+    `batch_defer` (one INSERT, a notification per job). With `--burst`: queued first and
+    drained by workers started with `wait=False`."""
     common.reset_peer(args.server)
-    common.peer_defer(args.server, args.runs)
+    if args.burst:
+        common.peer_defer(args.server, args.runs)
     with common.connect(args.server, common.PEER_DB) as conn:
         conn.execute("ANALYZE procrastinate_jobs, procrastinate_events")
         procs = common.start_peer_workers(
-            args.server, args.workers, args.concurrency, wait=False, tag="throughput-peer"
-        )
-        common.wait_procs(procs, timeout=900)
+            args.server, args.workers, args.concurrency, wait=not args.burst,
+            tag="throughput-peer",
+        )  # fmt: skip
+        try:
+            if not args.burst:
+                common.wait_for(
+                    lambda: (
+                        conn.execute(
+                            "SELECT count(*) FROM pg_stat_activity"
+                            " WHERE datname = %s AND query LIKE 'LISTEN%%'",
+                            [common.PEER_DB],
+                        ).fetchone()[0]
+                        >= args.workers
+                    ),
+                    timeout=120,
+                    what=f"{args.workers} Procrastinate workers listening",
+                )
+            cpu0 = common.cpu_seconds(procs)
+            if not args.burst:
+                common.peer_defer(args.server, args.runs, batch=args.runs)
+                common.wait_for(
+                    lambda: (
+                        conn.execute(
+                            "SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'"
+                        ).fetchone()[0]
+                        >= args.runs
+                    ),
+                    timeout=900,
+                    what="every job to finish",
+                    interval=0.5,
+                )
+                cpu1 = common.cpu_seconds(procs)
+            else:
+                cpu1 = common.wait_procs_cpu(procs, timeout=900)
+        finally:
+            common.stop_procs(procs, sig=signal.SIGTERM)
         done, span = conn.execute(
             """
             SELECT count(*) FILTER (WHERE type = 'succeeded'),
@@ -78,7 +154,7 @@ def peer_round(args: Any) -> dict[str, float]:
         ).fetchone()
     if done != args.runs:
         raise RuntimeError(f"procrastinate: {done} of {args.runs} jobs succeeded")
-    return {"rate": args.runs / span, "span": span}
+    return {"rate": args.runs / span, "span": span, **common.cpu_per_run(cpu0, cpu1, args.runs)}
 
 
 def ceiling_round(args: Any) -> dict[str, float]:
@@ -134,6 +210,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--concurrency", type=common.positive, default=4)
     p.add_argument("--bindings", type=common.positive, default=20)
     p.add_argument("--max-concurrency", type=common.positive, default=8)
+    p.add_argument(
+        "--burst",
+        action="store_true",
+        help="queue the runs first and drain them with --burst workers (the old shape)",
+    )
     if "--findings" in argv:
         return findings([a for a in argv if a != "--findings"])
     args = p.parse_args(argv)
@@ -157,17 +238,36 @@ def main(argv: list[str]) -> int:
     vs_peer = common.Spread([a / b for a, b in zip(d, peer, strict=True)])
     vs_ceil = common.Spread([a / b for a, b in zip(d, ceil, strict=True)])
     clients = args.workers * args.concurrency
+    if args.burst:
+        shape = (
+            f"{args.runs} no-op runs queued first, then drained by {args.workers} "
+            f"`runworker --burst` processes with `--concurrency {args.concurrency}`; "
+            f"Procrastinate {common._version('procrastinate')}: {args.runs} jobs queued, "
+            f"{args.workers} worker processes with concurrency {args.concurrency}, `wait=False`"
+        )
+    else:
+        shape = (
+            f"{args.workers} warm `runworker` processes with `--concurrency {args.concurrency}` "
+            f"(listening, idle), then {args.runs} no-op runs released at once: one "
+            "`trigger_many` call (one statement, a wake-up per run); Procrastinate "
+            f"{common._version('procrastinate')}: {args.workers} warm worker processes with "
+            f"concurrency {args.concurrency}, then {args.runs} jobs of an async no-op task in "
+            "one `batch_defer` (one statement, a notification per job)"
+        )
     report.add(
-        f"{args.runs} no-op runs (`generate` 0 rows -> `null`) pre-enqueued over "
-        f"{args.bindings} bindings (max_concurrency {args.max_concurrency}), drained by "
-        f"{args.workers} `runworker --burst` processes with `--concurrency {args.concurrency}`; "
-        f"Procrastinate {common._version('procrastinate')}: {args.runs} jobs of an async no-op "
-        f"task, {args.workers} worker processes with concurrency {args.concurrency}, "
-        f"`wait=False`; pgbench: {clients} clients, each script one lifecycle (the trigger's "
-        "two inserts in a transaction, `dispatch_claim_v1` limit 1, `dispatch_settle_v1`). "
-        f"Rates in database time (first claim or start to last finish); {args.rounds} "
-        "alternated rounds."
+        f"{shape}. Runs are `generate` 0 rows -> `null` over {args.bindings} bindings "
+        f"(max_concurrency {args.max_concurrency}). pgbench: {clients} clients, each script "
+        "one lifecycle through the product's statements (`dispatch_trigger_v3`, "
+        "`dispatch_claim_v5` limit 1, `dispatch_settle_v2`). Rates in database time (first "
+        f"claim or start to last finish); {args.rounds} alternated rounds. CPU per run: the "
+        "worker processes and the whole PostgreSQL server (every backend, the benchmark's "
+        "own polling included) from the release to the last finish."
     )
+
+    def cpu(rows: list[dict[str, Any]], key: str) -> str:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return common.Spread(values).fmt(2) if values else "n/a"
+
     report.add(
         common.table(
             ["", "median (min-max)"],
@@ -183,11 +283,27 @@ def main(argv: list[str]) -> int:
                     "**dispatch / ceiling** (goal >= 0.5)",
                     f"**{vs_ceil.fmt()}** {common.verdict(vs_ceil.median >= 0.5)}",
                 ],
+                ["dispatch CPU ms per run: workers", cpu(results["dispatch"], "workers_ms")],
+                ["dispatch CPU ms per run: server", cpu(results["dispatch"], "server_ms")],
+                [
+                    "Procrastinate CPU ms per run: workers",
+                    cpu(results["procrastinate"], "workers_ms"),
+                ],
+                [
+                    "Procrastinate CPU ms per run: server",
+                    cpu(results["procrastinate"], "server_ms"),
+                ],
             ],
         )
     )
     misses = sum(r["misses"] for r in results["dispatch"])
-    report.add(f"Directed-claim misses reported by the dispatch workers: {misses}.")
+    refills = sum(r["at_settlement"] for r in results["dispatch"])
+    total = args.runs * args.rounds
+    report.add(
+        f"Directed-claim misses reported by the dispatch workers: {misses}; runs claimed by "
+        f"the settlement of the slot's previous run (one call, `dispatch_settle_claim_v5`): "
+        f"{refills} of {total}."
+    )
     report.emit(doc=not args.no_doc)
     return 0
 

@@ -66,13 +66,14 @@ def claim(
             query("claim"), {"worker": worker_id, "run": run_id, "limit": limit, "generic": generic}
         )
         rows = cursor.fetchall()
-    claimed = []
-    for row in rows:
-        fields = list(row)
-        fields[7] = _json(fields[7])
-        fields[8] = _json(fields[8])
-        claimed.append(ClaimedAttempt(*fields))
-    return claimed
+    return [_claimed(row) for row in rows]
+
+
+def _claimed(row: Sequence[Any]) -> ClaimedAttempt:
+    fields = list(row)
+    fields[7] = _json(fields[7])
+    fields[8] = _json(fields[8])
+    return ClaimedAttempt(*fields)
 
 
 def settle(
@@ -115,27 +116,28 @@ def settle_and_claim(
     rows_read: int | None = None,
     rows_written: int | None = None,
 ) -> tuple[str | None, list[ClaimedAttempt]]:
-    """Settle an attempt and claim up to `limit` more in the same transaction: the slot
-    the settlement frees is refilled without a transaction of its own. The claim runs in
-    a savepoint: if it fails, the settlement still commits (and nothing is claimed)."""
-    with transaction.atomic():
-        status = settle(
-            attempt_id,
-            token,
-            outcome,
-            reason=reason,
-            error=error,
-            rows_read=rows_read,
-            rows_written=rows_written,
+    """Settle an attempt and claim up to `limit` more in the same transaction and the same
+    round trip (dispatch_settle_claim_v5): the slot the settlement frees is refilled
+    without a transaction of its own. The claim runs in a subtransaction: if it fails, the
+    settlement still commits (and nothing is claimed); a lost lease claims nothing."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            query("settle_claim"),
+            {
+                "attempt": attempt_id,
+                "token": token,
+                "outcome": outcome,
+                "reason": reason,
+                "error": error,
+                "rows_read": rows_read,
+                "rows_written": rows_written,
+                "worker": worker_id,
+                "limit": limit,
+            },
         )
-        claimed: list[ClaimedAttempt] = []
-        if limit > 0:
-            try:
-                with transaction.atomic():
-                    claimed = claim(worker_id, limit=limit)
-            except DatabaseError:
-                claimed = []
-    return status, claimed
+        rows = cursor.fetchall()
+    status = rows[0][0] if rows else None
+    return status, [_claimed(row[1:]) for row in rows if row[1] is not None]
 
 
 @dataclass(frozen=True)

@@ -85,11 +85,12 @@ class _SlotRefill:
         self.worker_id = coordinator.worker_id
 
     def limit(self) -> int:
-        c = self.coordinator
-        return 0 if c.stopping or c.burst else 1
+        return 0 if self.coordinator.stopping else 1
 
     def adopt(self, claimed: list[ClaimedAttempt]) -> None:
         c = self.coordinator
+        # What the slot's own claim found (with --burst: an empty one may be the end).
+        c._last_claim_empty = not claimed
         for attempt in claimed:
             if not c._start(attempt, unless_stopping=True):
                 # The worker began to stop while this settlement claimed: hand the

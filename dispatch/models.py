@@ -357,7 +357,11 @@ class Run(models.Model):
     """One requested execution of a binding; its status is its latest attempt's."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    binding = models.ForeignKey(JobBinding, on_delete=models.PROTECT, related_name="runs")
+    # No index of its own: dispatch_run_binding_idx (binding, created_at) leads with it,
+    # and each index more is written by every claim and settlement.
+    binding = models.ForeignKey(
+        JobBinding, on_delete=models.PROTECT, related_name="runs", db_index=False
+    )
     trigger = models.CharField(max_length=20, choices=Trigger.choices, default=Trigger.MANUAL)
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.PENDING)
     created_at = models.DateTimeField(db_default=Now(), editable=False)
@@ -447,7 +451,8 @@ class Attempt(models.Model):
     """One try at a run. Claimed, heartbeated and settled only through guarded SQL."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="attempts")
+    # No index of its own: dispatch_attempt_run_number_uniq (run, number) leads with it.
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="attempts", db_index=False)
     number = models.PositiveIntegerField()
     origin = models.CharField(max_length=20, choices=Origin.choices, default=Origin.TRIGGER)
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.PENDING)

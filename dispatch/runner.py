@@ -288,7 +288,7 @@ class Runner:
                         rows_written=self.control.rows_written,
                     )
                     self.refilled = status in FINAL_STATUSES
-                    if more:
+                    if self.refilled or more:
                         self.refill.adopt(more)
                 else:
                     status = claims.settle(

@@ -132,10 +132,10 @@ def claim_buffers(limit: int = 10, run: str | None = None) -> tuple[int, int, in
     with connection.cursor() as cursor:
         cursor.execute("SAVEPOINT measure")
         before = attempt_tuples_read()
+        # The worker's own statement (dispatch.claims.claim).
         cursor.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)"
-            " SELECT * FROM dispatch_claim_v4('measure', %s::uuid, %s, %s)",
-            [run, limit, run is None],
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query("claim"),
+            {"worker": "measure", "run": run, "limit": limit, "generic": run is None},
         )
         (raw,) = cursor.fetchone()
         read = attempt_tuples_read() - before

@@ -8,6 +8,7 @@ import sys
 import uuid
 
 import pytest
+from django.db import connection
 
 from dispatch import claims, crypto
 from dispatch.models import Attempt, Datasource, JobBinding, Run
@@ -269,7 +270,6 @@ def test_claim__two_processes_race_the_directed_claim_exactly_one_wins():
 def test_claim__does_not_wait_for_an_open_transaction_that_created_a_run_of_the_binding():
     """Inserting a run takes FOR KEY SHARE on its binding (the foreign key) until commit;
     the claim's binding lock must not queue behind it."""
-    from django.db import connection
 
     binding = BindingFactory(max_concurrency=5)
     due = trigger(binding)
@@ -381,3 +381,77 @@ def test_capacity__the_refresh_repairs_a_capacity_mark_left_stale_either_way():
     Attempt.objects.filter(run=free).update(blocked_reason=CAP)  # a mark nobody let go
     assert claims.refresh_blocked() == 2
     assert marks(held, free) == [CAP, None]
+
+
+# --- a settlement and the next claim in one call (dispatch_settle_claim_v5) ---------------
+def test_settle_claim__settles_and_claims_the_next_in_one_transaction():
+    binding = BindingFactory(max_concurrency=1)
+    first, second = trigger(binding), trigger(binding)
+    got = claim_one(limit=1)
+    assert marks(second) == [CAP]  # the binding is full
+    status, more = claims.settle_and_claim(
+        got.attempt_id, got.lease_token, "SUCCEEDED", worker_id="w1", limit=1
+    )
+    # The run that finished made the room the same call's claim took.
+    assert status == Status.SUCCEEDED
+    assert [c.run_id for c in more] == [second.id]
+    assert Run.objects.get(pk=first.pk).status == Status.SUCCEEDED
+    assert Run.objects.get(pk=second.pk).status == Status.RUNNING
+    assert more[0].source_snapshot and more[0].lease_token > got.lease_token
+
+
+def test_settle_claim__nothing_to_claim_and_a_lost_lease():
+    binding = BindingFactory(max_concurrency=2)
+    trigger(binding)
+    got = claim_one(limit=1)
+    assert claims.settle_and_claim(
+        got.attempt_id, got.lease_token + 1, "SUCCEEDED", worker_id="w1", limit=1
+    ) == (None, [])  # a wrong token settles nothing and claims nothing
+    assert claims.settle_and_claim(
+        got.attempt_id, got.lease_token, "SUCCEEDED", worker_id="w1", limit=1
+    ) == (Status.SUCCEEDED, [])
+
+
+def test_settle_claim__a_claim_that_raises_leaves_the_settlement_standing():
+    binding = BindingFactory(max_concurrency=5)
+    first, second = trigger(binding), trigger(binding)
+    got = claim_one(limit=1)
+    with raw_connection() as conn:
+        # A claim by worker "boom" raises inside the call (a stand-in for any failure of
+        # the claim: a constraint, a full disk); the settlement must commit alone.
+        conn.execute(
+            """
+            CREATE FUNCTION dispatch_test_boom() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN RAISE EXCEPTION 'boom'; END $$;
+            CREATE TRIGGER boom BEFORE UPDATE ON dispatch_attempt FOR EACH ROW
+              WHEN (NEW.worker_id = 'boom') EXECUTE FUNCTION dispatch_test_boom();
+            """
+        )
+        conn.commit()
+    try:
+        status, more = claims.settle_and_claim(
+            got.attempt_id, got.lease_token, "SUCCEEDED", worker_id="boom", limit=1
+        )
+    finally:
+        with raw_connection() as conn:
+            conn.execute(
+                "DROP TRIGGER boom ON dispatch_attempt; DROP FUNCTION dispatch_test_boom()"
+            )
+            conn.commit()
+    assert (status, more) == (Status.SUCCEEDED, [])
+    assert Run.objects.get(pk=first.pk).status == Status.SUCCEEDED
+    assert Run.objects.get(pk=second.pk).status == Status.PENDING
+    assert Attempt.objects.get(run=second).worker_id is None
+
+
+def test_functions__every_one_that_turns_sorts_off_turns_jit_off_too():
+    # With sorts off, a plan that still sorts costs about 10^10, past jit_above_cost: each
+    # call would spend tens of milliseconds compiling (docs/benchmarks.md).
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT proname, proconfig FROM pg_proc"
+            " WHERE proname LIKE 'dispatch\\_%%' AND 'enable_sort=off' = ANY (proconfig)"
+        )
+        rows = cursor.fetchall()
+    assert {name for name, _ in rows} >= {"dispatch_claim_v5", "dispatch_release_capacity_v5"}
+    assert [name for name, config in rows if "jit=off" not in config] == []

@@ -2,13 +2,21 @@
 -- with dispatch.sqlfiles.query(); parameters are %(name)s placeholders.
 
 -- name: claim
--- The claim, in one round trip (see dispatch_claim_v4).
-SELECT * FROM dispatch_claim_v4(%(worker)s, %(run)s, %(limit)s, %(generic)s);
+-- The claim, in one round trip (see dispatch_claim_v5).
+SELECT * FROM dispatch_claim_v5(%(worker)s, %(run)s, %(limit)s, %(generic)s);
 
 -- name: settle
 -- A guarded settlement of one attempt (see dispatch_settle_v2); NULL = lease lost.
 SELECT dispatch_settle_v2(%(attempt)s, %(token)s, %(outcome)s, %(reason)s, %(error)s,
                           %(rows_read)s, %(rows_written)s);
+
+-- name: settle_claim
+-- A settlement and the claim of up to `limit` more attempts, in one round trip and one
+-- transaction (see dispatch_settle_claim_v5): the status on every row, the claimed
+-- attempt's columns after it (all NULL on the one row of a claim that found nothing).
+SELECT s.settled, (s.claimed).*
+  FROM dispatch_settle_claim_v5(%(attempt)s, %(token)s, %(outcome)s, %(reason)s, %(error)s,
+                                %(rows_read)s, %(rows_written)s, %(worker)s, %(limit)s) s;
 
 -- name: recover
 -- One row-isolated recovery pass (see dispatch_recover_v2): outcome NULL + error = a row
