@@ -25,6 +25,7 @@ def dispatch_round(
 ) -> dict[str, Any]:
     from bench.throughput import start_variant_workers
     from dispatch import services
+    from dispatch.models import Worker
 
     with common.connect(args.server, common.DISPATCH_DB) as conn:
         common.reset_dispatch(conn)
@@ -41,12 +42,9 @@ def dispatch_round(
                 1, args.concurrency, env, variant, burst=False, tag="latency-dispatch"
             )
         try:
-            # Idle and listening: its LISTEN connection is open and the first poll is done.
+            # Idle and listening: its LISTEN connection heard its own probe.
             common.wait_for(
-                lambda: conn.execute(
-                    "SELECT 1 FROM pg_stat_activity WHERE application_name LIKE "
-                    "'dispatch-listen latency-dispatch-0%%' AND query LIKE 'LISTEN%%'"
-                ).fetchone(),
+                lambda: Worker.objects.filter(stats__listen_healthy=1).exists(),
                 timeout=60,
                 what="the dispatch worker to listen",
             )

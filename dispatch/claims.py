@@ -5,18 +5,22 @@ lock and transaction contract), on the calling thread's own connection, in autoc
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from django.db import DatabaseError, connection, transaction
 
+from dispatch import deadline
 from dispatch.sqlfiles import query
 
 log = logging.getLogger("dispatch.worker")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -53,10 +57,23 @@ class Recovered:
     error: str | None = None
 
 
+def _bounded(fn: Callable[P, R]) -> Callable[P, R]:
+    """Run a coordination call under the calling thread's deadline (dispatch.deadline):
+    a database that stops answering cannot hold the thread longer than that."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        with deadline.bounded(fn.__name__):
+            return fn(*args, **kwargs)
+
+    return call
+
+
 def _json(value: Any) -> dict[str, Any]:
     return json.loads(value) if isinstance(value, str) else (value or {})
 
 
+@_bounded
 def claim(
     worker_id: str, *, run_id: uuid.UUID | None = None, limit: int = 1, generic: bool = True
 ) -> list[ClaimedAttempt]:
@@ -76,6 +93,7 @@ def _claimed(row: Sequence[Any]) -> ClaimedAttempt:
     return ClaimedAttempt(*fields)
 
 
+@_bounded
 def settle(
     attempt_id: uuid.UUID,
     token: int,
@@ -104,6 +122,7 @@ def settle(
     return status
 
 
+@_bounded
 def settle_and_claim(
     attempt_id: uuid.UUID,
     token: int,
@@ -147,6 +166,7 @@ class Beat:
     lease_seconds: int
 
 
+@_bounded
 def heartbeat(
     worker_id: str, held: Sequence[tuple[uuid.UUID, int, int, int]], stats: dict[str, Any]
 ) -> dict[uuid.UUID, Beat]:
@@ -176,6 +196,7 @@ class QueueView:
     expiry_in: float | None  # seconds until the earliest RUNNING lease runs out (<= 0: has)
 
 
+@_bounded
 def queue_view() -> QueueView:
     """Three single-entry index probes (see dispatch_queue_view_v4)."""
     with connection.cursor() as cursor:
@@ -184,6 +205,7 @@ def queue_view() -> QueueView:
     return QueueView(due_for, next_in, expiry_in)
 
 
+@_bounded
 def heartbeat_and_peers(
     stale_seconds: float,
     worker_id: str,
@@ -202,6 +224,7 @@ def heartbeat_and_peers(
     return beats, peers, view
 
 
+@_bounded
 def claimable(run_id: uuid.UUID) -> bool:
     """Whether the run has a due, unblocked PENDING attempt now (a read, no lock)."""
     with connection.cursor() as cursor:
@@ -209,6 +232,7 @@ def claimable(run_id: uuid.UUID) -> bool:
         return cursor.fetchone() is not None
 
 
+@_bounded
 def recover(limit: int = 500, *, refresh: bool = False) -> list[Recovered]:
     """Settle expired leases until none is left (each call of the function settles at
     most `limit` in one transaction). A row whose settlement fails is isolated by the
@@ -237,12 +261,14 @@ def recover(limit: int = 500, *, refresh: bool = False) -> list[Recovered]:
             return settled
 
 
+@_bounded
 def refresh_blocked() -> int:
     with connection.cursor() as cursor:
         cursor.execute(query("refresh_blocked"))
         return int(cursor.fetchone()[0])
 
 
+@_bounded
 def next_available_in() -> float | None:
     """Seconds until the earliest future PENDING attempt is due, by database time."""
     with connection.cursor() as cursor:

@@ -42,7 +42,7 @@ from django.db import ProgrammingError as DjangoProgrammingError
 from django.db import connection
 from psycopg import sql
 
-from dispatch import claims, conf, listen, services
+from dispatch import claims, conf, deadline, listen, services
 from dispatch.claims import ClaimedAttempt
 from dispatch.runner import ExecutionControl, Runner, StopCause
 from dispatch.sqlfiles import query
@@ -142,6 +142,7 @@ class WorkerDispatchCoordinator:
             conf.shutdown_grace_seconds() if shutdown_grace is None else shutdown_grace
         )
         self.idle_heartbeat = conf.idle_heartbeat_seconds()
+        self.coordination_timeout = conf.coordination_timeout()
         self.worker_id = worker_id or default_worker_id()
         self.burst = burst
         self.background = background or []
@@ -193,6 +194,7 @@ class WorkerDispatchCoordinator:
     def run(self) -> int:
         """Run until SIGTERM/SIGINT (or, with `burst`, until nothing is claimable)."""
         self._install_signal_handlers()
+        deadline.set_thread_limit(self.coordination_timeout)
         self._register()
         self._start_threads()
         try:
@@ -287,6 +289,9 @@ class WorkerDispatchCoordinator:
             t.start()
             self._threads.append(t)
         t = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        t.start()
+        self._threads.append(t)
+        t = threading.Thread(target=self._lease_loop, name="leases", daemon=True)
         t.start()
         self._threads.append(t)
         for target in self.background:
@@ -626,8 +631,9 @@ class WorkerDispatchCoordinator:
     def _listen_connect(self) -> None:
         conn = listen.connect(f"dispatch-listen {self.worker_id}")
         try:
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(conf.channel())))
-            self.probe.connected(conn)
+            with deadline.guarded(conn, "listen", self.coordination_timeout):
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(conf.channel())))
+                self.probe.connected(conn)
         except BaseException:
             conn.close()
             raise
@@ -653,7 +659,10 @@ class WorkerDispatchCoordinator:
             return
         self._count("listen_probe_failures")
         if action is listen.ProbeAction.STOP_LISTENING:
-            with contextlib.suppress(Exception):
+            with (
+                contextlib.suppress(Exception),
+                deadline.guarded(self._listen, "unlisten", self.coordination_timeout),
+            ):
                 self._listen.execute("UNLISTEN *")  # best effort: the pooler keeps it
         self._close_listen()
         self._listen_retry_at = now + self._listen_backoff
@@ -668,7 +677,7 @@ class WorkerDispatchCoordinator:
                 return []
             try:
                 self._listen_connect()
-            except (psycopg.Error, OSError) as exc:
+            except (psycopg.Error, OSError, deadline.DeadlineExceeded) as exc:
                 self._listen_lost(exc)
                 return []
         assert self._listen is not None
@@ -762,6 +771,7 @@ class WorkerDispatchCoordinator:
 
     # --- threads ----------------------------------------------------------------------------
     def _executor_loop(self) -> None:
+        deadline.set_thread_limit(self.coordination_timeout)
         while True:
             execution = self._queue.get()
             if execution is None:
@@ -871,21 +881,56 @@ class WorkerDispatchCoordinator:
                 if stopping:
                     e.control.interrupt()
                 continue
-            deadline = e.control.next_deadline()
-            if deadline is not None and (nearest is None or deadline < nearest):
-                nearest = deadline
+            due = e.control.next_deadline()
+            if due is not None and (nearest is None or due < nearest):
+                nearest = due
         return nearest
+
+    def _stop_unconfirmed(self) -> float | None:
+        """Stop every execution whose lease has run out by our own clock without a
+        heartbeat confirming it (the database does not answer): recovery may give its run
+        to another worker now (and the sink's fence would refuse a late commit anyway).
+        Returns the monotonic time the next held lease runs out."""
+        with self._lock:
+            held = [e for e in self.executions.values() if not e.done.is_set()]
+        nearest: float | None = None
+        for e in held:
+            if e.control.cause is not None:
+                continue
+            if not e.control.lease_may_be_ours():
+                log.warning(
+                    "lease not confirmed in time, stopping run=%s attempt=%s worker=%s",
+                    e.claimed.run_id,
+                    e.claimed.number,
+                    self.worker_id,
+                )
+                e.control.stop(StopCause.LEASE_LOST)
+                continue
+            ends = e.control.last_heartbeat_ok + e.control.lease_seconds
+            nearest = ends if nearest is None else min(nearest, ends)
+        return nearest
+
+    def _lease_loop(self) -> None:
+        """The lease rule on a thread of its own, which never waits for the database: the
+        heartbeat thread may be blocked in a call or a connect (each bounded, but together
+        longer than what is left of a lease)."""
+        while not self._stop_threads.is_set():
+            ends = self._stop_unconfirmed()
+            # At the next lease's end, and at least every second for executions
+            # claimed meanwhile (a lease is at least 2 s).
+            wait = 1.0 if ends is None else min(1.0, max(0.0, ends - time.monotonic()) + 0.01)
+            self._stop_threads.wait(wait)
 
     def _heartbeat_loop(self) -> None:
         # The first heartbeat at once: its look at the queue times the first recovery
         # pass and the timer, and lets polling stop, without waiting an idle period.
         next_beat = time.monotonic()
         while not self._stop_threads.is_set():
-            deadline = self._enforce_stops()
+            due = self._enforce_stops()
             interval = self._heartbeat_interval()
             now = time.monotonic()
             next_beat = min(next_beat, now + interval)
-            wake = next_beat if deadline is None else min(next_beat, deadline)
+            wake = next_beat if due is None else min(next_beat, due)
             self._heartbeat_waiting = max(0.0, wake - now)
             woken = self._heartbeat_now.wait(self._heartbeat_waiting)
             self._heartbeat_now.clear()
@@ -894,6 +939,11 @@ class WorkerDispatchCoordinator:
             if not woken and time.monotonic() < next_beat:
                 continue  # woken for a deadline only: no heartbeat is due yet
             next_beat = time.monotonic() + interval
+            # A heartbeat never waits longer than a third of the lease it extends: the
+            # rest of the lease is left for the next try.
+            deadline.set_thread_limit(
+                min(self.coordination_timeout, interval) if self.coordination_timeout > 0 else None
+            )
             try:
                 self.heartbeat_once()
             except DB_ERRORS as exc:

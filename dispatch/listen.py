@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 from django.db import connection
 
-from dispatch import conf
+from dispatch import conf, deadline
 from dispatch.sqlfiles import query
 
 log = logging.getLogger("dispatch.worker")
@@ -190,7 +190,7 @@ class ListenProbe:
 
     def _send(self, now: float) -> None:
         self._seq += 1
-        with connection.cursor() as cursor:
+        with deadline.bounded("listen_probe"), connection.cursor() as cursor:
             cursor.execute(query("notify"), {"channel": self.channel, "payload": str(self._seq)})
         self._sent_at = now
         self.sent += 1

@@ -20,7 +20,7 @@ import psycopg
 from django.db import Error as DjangoDBError
 from django.db import connection
 
-from dispatch import claims, crypto, services
+from dispatch import claims, crypto, deadline, services
 from dispatch.claims import ClaimedAttempt
 from dispatch.connectors import incremental, registry
 from dispatch.connectors.base import (
@@ -165,13 +165,23 @@ class AttemptFence:
         last successful heartbeat (by this worker's monotonic clock) is within the lease."""
         if not self._control.lease_may_be_ours():
             raise LeaseLost("no successful heartbeat within the lease")
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT 1 FROM dispatch_attempt WHERE id = %s AND lease_token = %s AND status = 'RUNNING'",
-                [self.attempt_id, self.token],
-            )
-            if cursor.fetchone() is None:
-                raise LeaseLost("the attempt is no longer this worker's")
+        # The caller holds the sink's fence row (and the sink's locks) while it asks: the
+        # question is bounded like every coordination call (dispatch.deadline), and an
+        # answer that does not come is a lease that cannot be confirmed, so no commit.
+        try:
+            with deadline.bounded("fence_check"), connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT 1 FROM dispatch_attempt"
+                    " WHERE id = %s AND lease_token = %s AND status = 'RUNNING'",
+                    [self.attempt_id, self.token],
+                )
+                found = cursor.fetchone() is not None
+        except DjangoDBError as exc:
+            with contextlib.suppress(Exception):
+                connection.close()
+            raise LeaseLost(f"the lease could not be confirmed: {exc}") from None
+        if not found:
+            raise LeaseLost("the attempt is no longer this worker's")
 
 
 class Context:

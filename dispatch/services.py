@@ -20,7 +20,7 @@ from django.db import connection, transaction
 from django.db.models import Max
 from django.db.models.functions import Now
 
-from dispatch import conf, sqlfiles
+from dispatch import conf, deadline, sqlfiles
 from dispatch.models import Attempt, JobBinding, Run
 from dispatch.states import (
     LIVE_STATUSES,
@@ -75,7 +75,8 @@ def notify(run_id: uuid.UUID | str) -> None:
         transaction.on_commit(lambda: notify(run_id))
         return
     try:
-        with connection.cursor() as cursor:
+        # In a worker, bounded like its other calls (no limit elsewhere).
+        with deadline.bounded("notify"), connection.cursor() as cursor:
             cursor.execute(
                 sqlfiles.query("notify"), {"channel": conf.channel(), "payload": str(run_id)}
             )
@@ -201,7 +202,7 @@ def notify_many(run_ids: Sequence[uuid.UUID]) -> None:
         transaction.on_commit(lambda: notify_many(ids))
         return
     try:
-        with connection.cursor() as cursor:
+        with deadline.bounded("notify_many"), connection.cursor() as cursor:
             cursor.execute(
                 sqlfiles.query("notify_many"),
                 {"channel": conf.channel(), "payloads": [str(r) for r in run_ids]},

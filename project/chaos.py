@@ -39,6 +39,7 @@ from psycopg import sql
 from dispatch import conf, invariants, services
 from dispatch.models import Datasource, Job, JobBinding, Run
 from dispatch.states import Status
+from project.blackhole import BlackholeProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -61,6 +62,7 @@ FAULT_KINDS = (
     "retry",
     "edit_datasource",
     "disable_binding",
+    "partition",
 )
 # Relative frequency of each kind after the first round (which injects every kind once).
 WEIGHTS = {
@@ -74,7 +76,11 @@ WEIGHTS = {
     "retry": 3,
     "edit_datasource": 1,
     "disable_binding": 1,
+    "partition": 1,
 }
+# A silent partition lasts four leases: the worker's deadlines must notice it, its
+# executions stop, recovery hands its runs to others, and it rejoins after the heal.
+PARTITION_SECONDS = LEASE_SECONDS * 4
 
 
 @dataclass
@@ -123,6 +129,7 @@ class Summary:
     throughput_during_faults: float = 0.0
     trigger_rate: float = 0.0
     quiesce_seconds: float = 0.0
+    partition_dropped_bytes: int = 0
     postgresql_sink: bool = False
     schedules: int = 0
     violations: list[str] = field(default_factory=list)
@@ -159,6 +166,8 @@ class Summary:
             ),
             f"  throughput during faults: {self.throughput_during_faults:.2f} runs/s succeeded "
             f"(triggers offered {self.trigger_rate:.2f}/s); quiesced in {self.quiesce_seconds:.1f}s",
+            f"  silent partitions: {self.faults.get('partition', 0)} "
+            f"({self.partition_dropped_bytes} bytes swallowed by the black hole)",
             f"  harness database retries: {self.harness_db_retries}",
             f"  unexpected process exits: {len(self.unexpected_exits)}",
         ]
@@ -192,6 +201,10 @@ class Campaign:
         self.reenable_at: dict[uuid.UUID, float] = {}
         self.triggers = 0
         self.last_restart = -1e9
+        # Each worker slot reaches the database (working and LISTEN connections) through
+        # a proxy of its own, which the `partition` fault turns into a black hole.
+        self.proxies: dict[str, BlackholeProxy] = {}
+        self.partitioned_until: dict[str, float] = {}
 
     # --- set-up -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -340,14 +353,16 @@ class Campaign:
             "PYTHONUNBUFFERED": "1",
         }
 
-    def _spawn(self, role: str, slot: str, args: list[str]) -> Proc:
+    def _spawn(
+        self, role: str, slot: str, args: list[str], env: dict[str, str] | None = None
+    ) -> Proc:
         self.generation[slot] += 1
         name = f"chaos-{slot}.{self.generation[slot]}"
         log_path = self.o.out_dir / f"{name}.log"
         log = open(log_path, "wb")  # noqa: SIM115 - the child owns it
         popen = subprocess.Popen(
             [sys.executable, str(ROOT / "manage.py"), *args],
-            env=self._env(),
+            env={**self._env(), **(env or {})},
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -358,7 +373,15 @@ class Campaign:
         self.procs.append(proc)
         return proc
 
+    def _proxy(self, slot: str) -> BlackholeProxy:
+        if slot not in self.proxies:
+            self.proxies[slot] = BlackholeProxy("127.0.0.1", self.o.port).__enter__()
+        return self.proxies[slot]
+
     def start_worker(self, slot: str) -> Proc:
+        url = self.server.url(DATABASE).replace(
+            f":{self.o.port}/", f":{self._proxy(slot).port}/", 1
+        )
         return self._spawn(
             "worker",
             slot,
@@ -369,6 +392,7 @@ class Campaign:
                 "--worker-id",
                 f"chaos-{slot}.{self.generation[slot] + 1}",
             ],
+            env={"DATABASE_URL": url, "DISPATCH_LISTEN_URL": url},
         )
 
     def start_processes(self) -> None:
@@ -514,6 +538,22 @@ class Campaign:
         p.stopped_until = time.monotonic() + LEASE_SECONDS * 3 + 2
         return True
 
+    def fault_partition(self) -> bool:
+        # A worker holding an attempt, not paused and not already cut off.
+        victims = [p for p in self.busy_workers() if _slot(p) not in self.partitioned_until]
+        if not victims:
+            return False
+        slot = _slot(self.rng.choice(victims))
+        self.proxies[slot].blackhole()
+        self.partitioned_until[slot] = time.monotonic() + PARTITION_SECONDS
+        return True
+
+    def _heal(self, *, all_now: bool = False) -> None:
+        for slot, until in list(self.partitioned_until.items()):
+            if all_now or time.monotonic() >= until:
+                self.proxies[slot].heal()
+                del self.partitioned_until[slot]
+
     def _resume_stopped(self, *, all_now: bool = False) -> None:
         for p in self.procs:
             if p.stopped_until is not None and (all_now or time.monotonic() >= p.stopped_until):
@@ -645,7 +685,11 @@ class Campaign:
             self._collect()
         finally:
             self._resume_stopped(all_now=True)
+            self._heal(all_now=True)
             self.stop_all()
+            for proxy in self.proxies.values():
+                self.summary.partition_dropped_bytes += proxy.dropped_bytes
+                proxy.__exit__(None, None, None)
             if not self.o.keep_server:
                 self.server.stop()
         return self.summary
@@ -682,6 +726,7 @@ class Campaign:
                     plan.sort()
             self._resume_stopped()
             self._reenable()
+            self._heal()
             self._watch_processes()
             time.sleep(0.02)
         self.fault_end = self._db_now()
@@ -692,6 +737,7 @@ class Campaign:
         to the next_fire_at they leave), then wait until every run is terminal."""
         self._resume_stopped(all_now=True)
         self._reenable(all_now=True)
+        self._heal(all_now=True)
         for p in self.live("reconciler"):
             p.killed_by_us = True
             p.popen.send_signal(signal.SIGTERM)
@@ -837,6 +883,10 @@ STALE_SUCCESS = re.compile(
     r"attempt lost before its outcome was recorded outcome=SUCCEEDED "
     r"run=(?P<run>[0-9a-f-]{36}) attempt=(?P<number>\d+) token=(?P<token>\d+)"
 )
+
+
+def _slot(p: Proc) -> str:
+    return p.name.removeprefix("chaos-").split(".")[0]
 
 
 def _worker_id(p: Proc) -> str:

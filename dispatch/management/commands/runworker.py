@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import OperationalError
 from django.utils.module_loading import import_string
 
-from dispatch import conf, maintenance, site_checks
+from dispatch import conf, deadline, maintenance, site_checks
 from dispatch.coordinator import WorkerDispatchCoordinator
 from dispatch.worker_logging import ensure_worker_logging
 
@@ -50,6 +50,8 @@ class Command(BaseCommand):
         if options["poll_interval"] is not None and options["poll_interval"] <= 0:
             raise CommandError("--poll-interval must be positive.")
         ensure_worker_logging()
+        # Before the first connection: every one of this process is bounded.
+        deadline.bound_worker_sessions(conf.coordination_timeout())
         self._preflight()
         background: list[Callable[[threading.Event], None]] = []
         if options["scheduler"]:
