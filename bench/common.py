@@ -308,6 +308,28 @@ def wait_for(
         time.sleep(interval)
 
 
+# --- the server's own counters ----------------------------------------------------------------
+# Seconds PostgreSQL may hold a backend's counters before publishing them (its idle
+# statistics flush interval is 10 s).
+STATS_SETTLE = 11.0
+
+
+def counters(server: str, dbname: str) -> dict[str, int]:
+    """Transactions, buffers and tuples read so far in `dbname` (pg_stat_database)."""
+    with connect(server, "postgres") as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        xact, blks, tup = conn.execute(
+            "SELECT xact_commit + xact_rollback, blks_hit + blks_read,"
+            " tup_returned + tup_fetched FROM pg_stat_database WHERE datname = %s",
+            [dbname],
+        ).fetchone()
+    return {"xact": int(xact), "blks": int(blks), "tup": int(tup)}
+
+
+def delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: b[k] - a[k] for k in a}
+
+
 # --- CPU: where a benchmark's time goes -----------------------------------------------------
 _TICK = os.sysconf("SC_CLK_TCK")
 

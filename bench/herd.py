@@ -30,24 +30,9 @@ from project.pgbouncer import free_port
 
 DB = "dispatch_bench_herd"
 FLEETS = (1, 8, 32)
-# Seconds PostgreSQL may hold a backend's counters before publishing them (its idle
-# statistics flush interval is 10 s).
-STATS_SETTLE = 11.0
-
-
-def counters(server: str, dbname: str) -> dict[str, int]:
-    with common.connect(server, "postgres") as conn:
-        conn.execute("SELECT pg_stat_clear_snapshot()")
-        xact, blks, tup = conn.execute(
-            "SELECT xact_commit + xact_rollback, blks_hit + blks_read,"
-            " tup_returned + tup_fetched FROM pg_stat_database WHERE datname = %s",
-            [dbname],
-        ).fetchone()
-    return {"xact": int(xact), "blks": int(blks), "tup": int(tup)}
-
-
-def delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    return {k: b[k] - a[k] for k in a}
+STATS_SETTLE = common.STATS_SETTLE
+counters = common.counters
+delta = common.delta
 
 
 def measure(

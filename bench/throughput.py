@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,8 @@ def dispatch_round(args: Any, env: dict[str, str]) -> dict[str, float]:
                 )
                 bindings = list(JobBinding.objects.order_by("name"))
                 release = [bindings[i % len(bindings)] for i in range(args.runs)]
+                time.sleep(common.STATS_SETTLE)  # start-up's counters published first
+            work0 = common.counters(args.server, common.DISPATCH_DB)
             cpu0 = common.cpu_seconds(procs)
             if not args.burst:
                 services.trigger_many(release, requested_by="bench")
@@ -74,6 +77,8 @@ def dispatch_round(args: Any, env: dict[str, str]) -> dict[str, float]:
                 cpu1 = common.wait_procs_cpu(procs, timeout=900)
         finally:
             common.stop_procs(procs, sig=signal.SIGTERM)
+        time.sleep(common.STATS_SETTLE)
+        work = common.delta(work0, common.counters(args.server, common.DISPATCH_DB))
         done, span = conn.execute(
             """
             SELECT count(*) FILTER (WHERE status = 'SUCCEEDED'),
@@ -94,6 +99,8 @@ def dispatch_round(args: Any, env: dict[str, str]) -> dict[str, float]:
         "generic": stats[0],
         "misses": stats[1],
         "at_settlement": stats[2],
+        "tx_per_run": work["xact"] / args.runs,
+        "tup_per_run": work["tup"] / args.runs,
         **common.cpu_per_run(cpu0, cpu1, args.runs),
     }
 
@@ -125,6 +132,8 @@ def peer_round(args: Any) -> dict[str, float]:
                     timeout=120,
                     what=f"{args.workers} Procrastinate workers listening",
                 )
+                time.sleep(common.STATS_SETTLE)
+            work0 = common.counters(args.server, common.PEER_DB)
             cpu0 = common.cpu_seconds(procs)
             if not args.burst:
                 common.peer_defer(args.server, args.runs, batch=args.runs)
@@ -144,6 +153,8 @@ def peer_round(args: Any) -> dict[str, float]:
                 cpu1 = common.wait_procs_cpu(procs, timeout=900)
         finally:
             common.stop_procs(procs, sig=signal.SIGTERM)
+        time.sleep(common.STATS_SETTLE)
+        work = common.delta(work0, common.counters(args.server, common.PEER_DB))
         done, span = conn.execute(
             """
             SELECT count(*) FILTER (WHERE type = 'succeeded'),
@@ -154,7 +165,13 @@ def peer_round(args: Any) -> dict[str, float]:
         ).fetchone()
     if done != args.runs:
         raise RuntimeError(f"procrastinate: {done} of {args.runs} jobs succeeded")
-    return {"rate": args.runs / span, "span": span, **common.cpu_per_run(cpu0, cpu1, args.runs)}
+    return {
+        "rate": args.runs / span,
+        "span": span,
+        "tx_per_run": work["xact"] / args.runs,
+        "tup_per_run": work["tup"] / args.runs,
+        **common.cpu_per_run(cpu0, cpu1, args.runs),
+    }
 
 
 def ceiling_round(args: Any) -> dict[str, float]:
@@ -261,7 +278,11 @@ def main(argv: list[str]) -> int:
         "`dispatch_claim_v5` limit 1, `dispatch_settle_v2`). Rates in database time (first "
         f"claim or start to last finish); {args.rounds} alternated rounds. CPU per run: the "
         "worker processes and the whole PostgreSQL server (every backend, the benchmark's "
-        "own polling included) from the release to the last finish."
+        "own polling included) from the release to the last finish. Transactions and "
+        "tuples read (`tup_returned + tup_fetched`) per run: the database's "
+        "pg_stat_database counters from the release to after the workers stopped "
+        "(published counters, read after an 11 s settle; the workers' stop and the "
+        "benchmark's own completion poll included)."
     )
 
     def cpu(rows: list[dict[str, Any]], key: str) -> str:
@@ -282,6 +303,16 @@ def main(argv: list[str]) -> int:
                 [
                     "**dispatch / ceiling** (goal >= 0.5)",
                     f"**{vs_ceil.fmt()}** {common.verdict(vs_ceil.median >= 0.5)}",
+                ],
+                ["dispatch transactions per run", cpu(results["dispatch"], "tx_per_run")],
+                [
+                    "Procrastinate transactions per run",
+                    cpu(results["procrastinate"], "tx_per_run"),
+                ],
+                ["dispatch tuples read per run", cpu(results["dispatch"], "tup_per_run")],
+                [
+                    "Procrastinate tuples read per run",
+                    cpu(results["procrastinate"], "tup_per_run"),
                 ],
                 ["dispatch CPU ms per run: workers", cpu(results["dispatch"], "workers_ms")],
                 ["dispatch CPU ms per run: server", cpu(results["dispatch"], "server_ms")],

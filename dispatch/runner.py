@@ -420,7 +420,11 @@ class Runner:
             return  # the run's data is already in the sink: nothing to read
         fmt = copy_format(reader, writer)
         if fmt is not None:
-            for data, rows in reader.copy_chunks(fmt):
+            options = getattr(writer, "copy_options", None)
+            chunks = (
+                reader.copy_chunks(fmt) if options is None else reader.copy_chunks(fmt, options)
+            )
+            for data, rows in chunks:
                 ctx.progress(rows_read=rows)
                 ctx.progress(rows_written=writer.write_copy(data, rows))
             return

@@ -120,8 +120,11 @@ class Writer(Protocol):
 class CopyReader(Protocol):
     columns: list[Column]
 
-    def copy_chunks(self, fmt: str) -> Iterator[tuple[bytes, int]]:
-        """PostgreSQL COPY data in `fmt` ("binary" or "text"), as (block, rows in it)."""
+    def copy_chunks(
+        self, fmt: str, options: dict[str, str] | None = None
+    ) -> Iterator[tuple[bytes, int]]:
+        """PostgreSQL COPY data in `fmt` ("binary", "text" or "csv", the last with the
+        writer's `copy_options`: delimiter and null string), as (block, rows in it)."""
 
 
 class CopyWriter(Protocol):
@@ -129,7 +132,8 @@ class CopyWriter(Protocol):
         """The COPY format to receive these source columns in, or None for rows."""
 
     def write_copy(self, data: bytes, rows: int) -> int:
-        """Write one block of COPY data; returns the rows written."""
+        """Write one block of COPY data; returns the rows written. A writer that asks for
+        "csv" also has `copy_options` (delimiter, null), and gets UTF-8."""
 
 
 def copy_format(reader: Any, writer: Any) -> str | None:
@@ -137,7 +141,7 @@ def copy_format(reader: Any, writer: Any) -> str | None:
     if not (hasattr(reader, "copy_chunks") and hasattr(writer, "write_copy")):
         return None
     fmt = writer.copy_format(reader.columns)
-    return fmt if fmt in ("binary", "text") else None
+    return fmt if fmt in ("binary", "text", "csv") else None
 
 
 @dataclass(frozen=True)

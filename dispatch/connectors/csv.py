@@ -206,12 +206,22 @@ class CSVConnector(Connector):
             raise ValidationError("path: this field is required")
         check_relative_path(spec["path"])
         delimiter = spec.get("delimiter", ",")
-        if not isinstance(delimiter, str) or len(delimiter) != 1 or delimiter in '\r\n"':
-            raise ValidationError("delimiter: must be one character (not a quote or newline)")
+        if (
+            not isinstance(delimiter, str)
+            or len(delimiter) != 1
+            or not delimiter.isascii()
+            or delimiter in '\r\n"'
+        ):
+            raise ValidationError("delimiter: must be one ASCII character (not a quote or newline)")
         if not isinstance(spec.get("header", True), bool):
             raise ValidationError("header: must be true or false")
-        if not isinstance(spec.get("null", ""), str):
+        null = spec.get("null", "")
+        if not isinstance(null, str):
             raise ValidationError("null: must be a string (the text that stands for NULL)")
+        # PostgreSQL's CSV (which a PostgreSQL source writes) refuses these, and a null
+        # string holding them could not be told apart from data anyway.
+        if any(c in null for c in (delimiter, '"', "\r", "\n")):
+            raise ValidationError("null: must not contain the delimiter, a quote or a newline")
 
     @classmethod
     def validate_source_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
@@ -377,6 +387,24 @@ class _Writer:
         )
         if self.header and self.mode == "replace" and columns:
             self.csv.writerow([c.name for c in columns])
+
+    # From a PostgreSQL source, the rows arrive as PostgreSQL's own CSV (COPY ... FORMAT
+    # CSV): every value exactly as PostgreSQL writes it, never through a Python object
+    # (an interval stays `1 year 2 mons`, json keeps its key order and its numbers'
+    # spelling, a range, `infinity` or a BC date passes as it is). NULL is the unquoted
+    # null string, an empty string is quoted: the two stay apart.
+    def copy_format(self, columns: list[Column]) -> str | None:
+        return "csv"
+
+    @property
+    def copy_options(self) -> dict[str, str]:
+        return {"delimiter": self.spec.get("delimiter", ","), "null": self.null}
+
+    def write_copy(self, data: bytes, rows: int) -> int:
+        assert self.handle is not None
+        self.handle.write(data.decode("utf-8"))
+        self.rows += rows
+        return rows
 
     def write(self, batch: Batch) -> int:
         null, types = self.null, self.types

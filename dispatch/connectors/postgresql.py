@@ -566,14 +566,24 @@ class _Reader:
             names = [d.name for d in cur.description]
             self.oids = [result.ftype(i) for i in range(result.nfields)]
             mods = [result.fmod(i) for i in range(result.nfields)]
-            # format_type(oid, typmod) is exactly what the catalog would say for a table
-            # column: numeric(12,2), character varying(20), integer[] ...
+            # A result column that is a table's column takes that column's declared type
+            # (a domain stays the domain, not its base type; enums, arrays and typmods as
+            # declared); any other its result type. format_type(oid, typmod) is what the
+            # catalog says: numeric(12,2), character varying(20), posint, integer[] ...
+            tables = [result.ftable(i) for i in range(result.nfields)]
+            attnums = [result.ftablecol(i) for i in range(result.nfields)]
             types = [
                 row[0]
                 for row in self.conn.execute(
-                    "SELECT pg_catalog.format_type(t.oid, t.mod) FROM unnest(%s::oid[], %s::int[])"
-                    " WITH ORDINALITY AS t(oid, mod, n) ORDER BY t.n",
-                    [self.oids, mods],
+                    "SELECT coalesce(pg_catalog.format_type(a.atttypid, a.atttypmod),"
+                    "                pg_catalog.format_type(t.oid, t.mod))"
+                    "  FROM unnest(%s::oid[], %s::int[], %s::oid[], %s::int[])"
+                    "       WITH ORDINALITY AS t(oid, mod, rel, att, n)"
+                    "  LEFT JOIN pg_catalog.pg_attribute a"
+                    "    ON t.rel <> 0 AND a.attrelid = t.rel AND a.attnum = t.att"
+                    "   AND NOT a.attisdropped"
+                    " ORDER BY t.n",
+                    [self.oids, mods, tables, attnums],
                 )
             ]
             self.columns = [Column(n, t) for n, t in zip(names, types, strict=True)]
@@ -595,7 +605,7 @@ class _Reader:
             conn, self.conn = self.conn, None
             self._canceller.close(conn)
 
-    def _copy_sql(self, fmt: str) -> sql.Composed:
+    def _copy_sql(self, fmt: str, options: dict[str, str] | None = None) -> sql.Composed:
         if self._plan is not None and self.bounds is None:
             raise PermanentError("incremental read started without its cursor bounds")
         relation = (
@@ -603,6 +613,19 @@ class _Reader:
             if self._plan is not None and self.bounds is not None
             else self._relation()
         )
+        if fmt == "csv":
+            # PostgreSQL's own CSV text of every value (intervals, json as written,
+            # ranges, infinity, BC dates, 24:00), in UTF-8 whatever the client encoding.
+            # The delimiter and null string are the sink's (validated by its spec), as
+            # literals.
+            opts = options or {}
+            return sql.SQL(
+                "COPY ({}) TO STDOUT (FORMAT CSV, DELIMITER {}, NULL {}, ENCODING 'UTF8')"
+            ).format(
+                relation,
+                sql.Literal(opts.get("delimiter", ",")),
+                sql.Literal(opts.get("null", "")),
+            )
         return sql.SQL("COPY ({}) TO STDOUT (FORMAT {})").format(
             relation, sql.SQL("BINARY" if fmt == "binary" else "TEXT")
         )
@@ -626,7 +649,9 @@ class _Reader:
                 if batch:
                     yield batch
 
-    def copy_chunks(self, fmt: str) -> Iterator[tuple[bytes, int]]:
+    def copy_chunks(
+        self, fmt: str, options: dict[str, str] | None = None
+    ) -> Iterator[tuple[bytes, int]]:
         """Raw COPY data in blocks of about COPY_BLOCK_BYTES, with the rows in each block.
 
         Reads libpq's buffer directly (non-blocking `get_copy_data`, waiting on the socket
@@ -640,7 +665,7 @@ class _Reader:
         with _errors(self.secrets, "source read"):
             # Sent on the connection whose transaction (and snapshot) open() began; psycopg
             # sees the transaction status through libpq, so its state stays consistent.
-            pgconn.send_query(self._copy_sql(fmt).as_bytes(conn))
+            pgconn.send_query(self._copy_sql(fmt, options).as_bytes(conn))
             _wait(pgconn)
             result = pgconn.get_result()
             if result is None or result.status != pq.ExecStatus.COPY_OUT:
