@@ -52,6 +52,16 @@ def coordination_timeout() -> float:
     return float(getattr(settings, "DISPATCH_COORDINATION_TIMEOUT", 10.0))
 
 
+def connector_probe_seconds() -> float:
+    """How long a PostgreSQL source or sink connection may wait on its server before
+    the worker asks the server, on a connection of its own, whether that session is still
+    working: no answer twice in a row (a silent partition), the session gone, or the
+    server idle while the client waits (an answer lost on the way) drops the connection,
+    and the attempt fails as a transient error (retried). A slow statement the server
+    reports as running is left alone. 0: never ask."""
+    return float(getattr(settings, "DISPATCH_CONNECTOR_PROBE_SECONDS", 15.0))
+
+
 def shutdown_grace_seconds() -> float:
     """How long a draining worker lets executions finish before releasing them."""
     return float(getattr(settings, "DISPATCH_SHUTDOWN_GRACE_SECONDS", 10.0))

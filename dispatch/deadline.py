@@ -93,11 +93,13 @@ class Watchdog:
                 self.fired_total += 1
                 # Under the lock: the owning thread cannot disarm (and so cannot close
                 # the connection and free the descriptor) while it is shut down.
-                _shutdown(fd)
+                shutdown_socket(fd)
                 log.error("no answer from the database in time, dropping the connection: %s", what)
 
 
-def _shutdown(fd: int) -> None:
+def shutdown_socket(fd: int) -> None:
+    """Shut a connection's socket down by its descriptor (which stays its owner's): a
+    call blocked on it wakes with an end of file."""
     with contextlib.suppress(OSError):
         dup = os.dup(fd)
         try:

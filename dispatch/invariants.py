@@ -95,6 +95,7 @@ class BindingRow:
     sink_id: uuid.UUID
     sink_kind: str
     sink_spec: dict[str, Any]
+    source_id: uuid.UUID | None = None
 
 
 @dataclass
@@ -186,14 +187,15 @@ def load(scope: Scope) -> State:
         state.attempts.setdefault(row[1], []).append(AttemptRow(*row))
     binding_ids = list({r.binding_id for r in state.runs.values()})
     for row in _rows(
-        "SELECT b.id, j.max_attempts, src.kind, j.source_spec, snk.id, snk.kind, j.sink_spec"
+        "SELECT b.id, j.max_attempts, src.kind, j.source_spec, snk.id, snk.kind, j.sink_spec,"
+        "       src.id"
         "  FROM dispatch_jobbinding b JOIN dispatch_job j ON j.id = b.job_id"
         "  JOIN dispatch_datasource src ON src.id = b.source_id"
         "  JOIN dispatch_datasource snk ON snk.id = b.sink_id"
         " WHERE b.id = ANY(%(ids)s::uuid[])",
         {"ids": binding_ids},
     ):
-        b_id, max_attempts, source_kind, source_spec, sink_id, sink_kind, sink_spec = row
+        b_id, max_attempts, source_kind, source_spec, sink_id, sink_kind, sink_spec, src = row
         state.bindings[b_id] = BindingRow(
             b_id,
             max_attempts,
@@ -202,6 +204,7 @@ def load(scope: Scope) -> State:
             sink_id,
             sink_kind,
             _json(sink_spec),
+            src,
         )
     return state
 
@@ -411,6 +414,11 @@ class SinkTable:
     multiplicity: dict[int, int] = field(default_factory=dict)
     total_rows: int = 0
     id_range: tuple[int | None, int | None] = (None, None)
+    # Values compared (`check(values=True)`, a PostgreSQL table source that does not
+    # change): each row's text (`row::text`) and how often it occurs, in the source and in
+    # the sink.
+    source_values: Counter[str] | None = None
+    sink_values: Counter[str] | None = None
     error: str | None = None
 
     @property
@@ -442,9 +450,36 @@ def _sink_connection(datasource_id: uuid.UUID) -> Iterator[Any]:
         conn.close()
 
 
-def load_sinks(state: State) -> list[SinkTable]:
+def _table_values(conn: Any, schema: str | None, name: str) -> Counter[str]:
+    from psycopg import sql
+
+    table = sql.Identifier(schema, name) if schema else sql.Identifier(name)
+    return Counter(
+        r[0] for r in conn.execute(sql.SQL("SELECT t::text FROM {} t").format(table)).fetchall()
+    )
+
+
+def _value_source(bindings: list[BindingRow]) -> tuple[uuid.UUID, str] | None:
+    """The one PostgreSQL table (not a query, not an incremental read) every binding of a
+    sink table reads, if there is one."""
+    sources = {
+        (b.source_id, b.source_spec.get("table"))
+        if b.source_kind == "postgresql"
+        and isinstance(b.source_spec.get("table"), str)
+        and not b.source_spec.get("incremental")
+        and b.source_id is not None
+        else None
+        for b in bindings
+    }
+    only = next(iter(sources)) if len(sources) == 1 else None
+    return None if only is None else (only[0], str(only[1]))  # type: ignore[index]
+
+
+def load_sinks(state: State, *, values: bool = False) -> list[SinkTable]:
     """Read the fence rows and the row multiplicities of every PostgreSQL sink table that
-    a binding in scope writes to. Sink errors become `SinkTable.error` (a violation)."""
+    a binding in scope writes to; with `values`, every row's text in the sink and in its
+    source table (which must not change meanwhile). Sink errors become `SinkTable.error`
+    (a violation)."""
     from psycopg import sql
 
     from dispatch.connectors import postgresql
@@ -499,6 +534,14 @@ def load_sinks(state: State) -> list[SinkTable]:
                         sql.SQL("SELECT count(*), min(id), max(id) FROM {}").format(target)
                     ).fetchone()
                     sink.total_rows, sink.id_range = int(total), (low, high)
+                source = _value_source(bindings) if values else None
+                if source is not None:
+                    sink.sink_values = (
+                        _table_values(conn, sink.schema, name) if exists[1] else Counter()
+                    )
+            if source is not None:
+                with _sink_connection(source[0]) as conn:
+                    sink.source_values = _table_values(conn, *postgresql.parse_table(source[1]))
         except Exception as exc:  # noqa: BLE001 - a sink we cannot read is reported, not fatal
             sink.error = " ".join(str(exc).split())[:300] or type(exc).__name__
     return tables
@@ -725,11 +768,39 @@ RUN_CHECKS: tuple[Callable[[State], list[Violation]], ...] = (
 )
 
 
+def check_sink_values(state: State, sinks: list[SinkTable]) -> list[Violation]:
+    """Each committed run's rows arrived with every value as the source holds it: the
+    sink's rows (`row::text`) are the source's, as many times as runs committed (append)
+    or once (replace, upsert). Compares values, where `check_sink_rows` counts ids."""
+    found = []
+    for sink in sinks:
+        if sink.error or sink.source_values is None or sink.sink_values is None:
+            continue
+        committed = sink.committed_fences()
+        times = committed if sink.mode == "append" else min(committed, 1)
+        expected = Counter({text: n * times for text, n in sink.source_values.items() if times})
+        if sink.sink_values == expected:
+            continue
+        missing = expected - sink.sink_values
+        extra = sink.sink_values - expected
+        sample = next(iter(extra or missing))
+        found.append(
+            Violation(
+                "sink_values",
+                sink.name,
+                f"{committed} committed run(s) in {sink.mode} mode: {sum(missing.values())} "
+                f"source row version(s) missing, {sum(extra.values())} row(s) not in the "
+                f"source (e.g. {sample[:200]!r})",
+            )
+        )
+    return found
+
+
 def notes_for(state: State, sinks: list[SinkTable]) -> list[str]:
     """Facts worth reading that are not violations."""
     notes = []
     for sink in sinks:
-        if sink.rows_per_run is None and not sink.error:
+        if sink.rows_per_run is None and sink.source_values is None and not sink.error:
             notes.append(f"{sink.name}: rows not counted (the source is not a generate source)")
         for run in state.runs.values():
             fence = sink.fences.get(run.id)
@@ -752,15 +823,19 @@ def check(
     *,
     sinks: bool = True,
     schedules: bool = True,
+    values: bool = False,
 ) -> Report:
-    """Run every check over the scope; the report lists violations and counts."""
+    """Run every check over the scope; the report lists violations and counts. With
+    `values`, sinks fed by a PostgreSQL table are compared with it value by value (the
+    source tables must not change meanwhile)."""
     state = load(scope)
     report = Report()
     for check_fn in RUN_CHECKS:
         report.violations.extend(check_fn(state))
-    sink_tables = load_sinks(state) if sinks else []
+    sink_tables = load_sinks(state, values=values) if sinks else []
     report.violations.extend(check_sink_fences(state, sink_tables))
     report.violations.extend(check_sink_rows(state, sink_tables))
+    report.violations.extend(check_sink_values(state, sink_tables))
     schedule_rows = load_schedules(state) if schedules else []
     report.violations.extend(check_schedule_slots(state, schedule_rows))
     report.notes.extend(notes_for(state, sink_tables))

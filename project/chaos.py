@@ -63,6 +63,7 @@ FAULT_KINDS = (
     "edit_datasource",
     "disable_binding",
     "partition",
+    "stall",
 )
 # Relative frequency of each kind after the first round (which injects every kind once).
 WEIGHTS = {
@@ -77,10 +78,14 @@ WEIGHTS = {
     "edit_datasource": 1,
     "disable_binding": 1,
     "partition": 1,
+    "stall": 1,
 }
 # A silent partition lasts four leases: the worker's deadlines must notice it, its
 # executions stop, recovery hands its runs to others, and it rejoins after the heal.
 PARTITION_SECONDS = LEASE_SECONDS * 4
+# A stall holds a worker's bytes back for two leases and then delivers them: requests
+# its deadlines gave up on reach the server late (a late heartbeat, claim or settlement).
+STALL_SECONDS = LEASE_SECONDS * 2
 
 
 @dataclass
@@ -130,6 +135,7 @@ class Summary:
     trigger_rate: float = 0.0
     quiesce_seconds: float = 0.0
     partition_dropped_bytes: int = 0
+    stall_held_bytes: int = 0
     postgresql_sink: bool = False
     schedules: int = 0
     violations: list[str] = field(default_factory=list)
@@ -167,7 +173,8 @@ class Summary:
             f"  throughput during faults: {self.throughput_during_faults:.2f} runs/s succeeded "
             f"(triggers offered {self.trigger_rate:.2f}/s); quiesced in {self.quiesce_seconds:.1f}s",
             f"  silent partitions: {self.faults.get('partition', 0)} "
-            f"({self.partition_dropped_bytes} bytes swallowed by the black hole)",
+            f"({self.partition_dropped_bytes} bytes swallowed by the black hole); stalls: "
+            f"{self.faults.get('stall', 0)} ({self.stall_held_bytes} bytes delivered late)",
             f"  harness database retries: {self.harness_db_retries}",
             f"  unexpected process exits: {len(self.unexpected_exits)}",
         ]
@@ -548,6 +555,15 @@ class Campaign:
         self.partitioned_until[slot] = time.monotonic() + PARTITION_SECONDS
         return True
 
+    def fault_stall(self) -> bool:
+        victims = [p for p in self.busy_workers() if _slot(p) not in self.partitioned_until]
+        if not victims:
+            return False
+        slot = _slot(self.rng.choice(victims))
+        self.proxies[slot].stall()
+        self.partitioned_until[slot] = time.monotonic() + STALL_SECONDS
+        return True
+
     def _heal(self, *, all_now: bool = False) -> None:
         for slot, until in list(self.partitioned_until.items()):
             if all_now or time.monotonic() >= until:
@@ -689,6 +705,7 @@ class Campaign:
             self.stop_all()
             for proxy in self.proxies.values():
                 self.summary.partition_dropped_bytes += proxy.dropped_bytes
+                self.summary.stall_held_bytes += proxy.held_bytes
                 proxy.__exit__(None, None, None)
             if not self.o.keep_server:
                 self.server.stop()

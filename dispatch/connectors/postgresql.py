@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 import os
 import re
 import select
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +24,7 @@ from django.core.exceptions import ValidationError
 from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from dispatch import limits, targets
+from dispatch import conf, deadline, limits, targets
 from dispatch.connectors import incremental, sqlsafety
 from dispatch.connectors.base import (
     Batch,
@@ -54,6 +57,8 @@ DEFAULT_LOCK_TIMEOUT_SECONDS = 10
 # How long a cancel request may take to reach the server (it runs on the worker's
 # heartbeat thread, which must not hang on an unreachable host).
 CANCEL_TIMEOUT_SECONDS = 5.0
+
+log = logging.getLogger("dispatch.connectors")
 
 # SQLSTATE classes (first two characters) and codes whose retry cannot help.
 _PERMANENT_CLASSES = {"28", "3D", "3F", "42", "22", "23", "0A", "2B", "44"}
@@ -122,11 +127,21 @@ def classify(exc: BaseException, secrets: list[str], what: str) -> ConnectorErro
 
 
 @contextlib.contextmanager
-def _errors(secrets: list[str], what: str) -> Iterator[None]:
+def _errors(secrets: list[str], what: str, watch: _Canceller | None = None) -> Iterator[None]:
+    if watch is not None:
+        watch.enter()
     try:
         yield
     except psycopg.Error as exc:
+        if watch is not None and watch.dropped:
+            # The connection was dropped on purpose: say why, not what the socket said.
+            raise TransientError(f"{what}: {watch.dropped}") from None
         raise classify(exc, secrets, what) from None
+    except deadline.DeadlineExceeded as exc:  # the session's set-up got no answer in time
+        raise TransientError(f"{what}: {exc}") from None
+    finally:
+        if watch is not None:
+            watch.leave()
 
 
 # --- connections ----------------------------------------------------------------------------
@@ -241,16 +256,19 @@ def connect(config: dict[str, Any], *, what: str = "connect") -> psycopg.Connect
     problems = policy_errors(config)
     if problems:
         raise PermanentError(f"{what}: refused by the site's target policy: {'; '.join(problems)}")
+    # The session's set-up is bounded like the connecting (a server that accepted the
+    # connection and then went silent must not hold the worker here).
     with _errors(secrets, what):
         conn = psycopg.connect(_conninfo(config))
         try:
-            sqlsafety.set_safe_search_path(conn)
+            with deadline.guarded(conn, what, CONNECT_TIMEOUT_SECONDS):
+                sqlsafety.set_safe_search_path(conn)
         except BaseException:
             conn.close()
             raise
     if not targets.site_database_allowed():
         try:
-            with _errors(secrets, what):
+            with _errors(secrets, what), deadline.guarded(conn, what, CONNECT_TIMEOUT_SECONDS):
                 row = conn.execute(targets.SITE_FINGERPRINT_SQL).fetchone()
                 conn.rollback()
             if row is not None and tuple(str(v) for v in row) == targets.site_fingerprint():
@@ -263,20 +281,24 @@ def connect(config: dict[str, Any], *, what: str = "connect") -> psycopg.Connect
     return conn
 
 
-def _set_timeouts(conn: psycopg.Connection[Any], spec: dict[str, Any]) -> None:
+def _set_timeouts(conn: psycopg.Connection[Any], spec: dict[str, Any]) -> int | None:
     """Bound every statement and lock wait of this session, so a hung query cannot hold
-    a lease (or a lock on someone else's table) forever."""
+    a lease (or a lock on someone else's table) forever. Returns the session's server
+    process id, or None behind a pooler (whose process id is its own)."""
     statement = int(spec.get("statement_timeout_seconds", DEFAULT_STATEMENT_TIMEOUT_SECONDS))
     lock = int(spec.get("lock_timeout_seconds", DEFAULT_LOCK_TIMEOUT_SECONDS))
-    conn.execute(
-        "SELECT set_config('statement_timeout', %s, false), set_config('lock_timeout', %s, false),"
+    row = conn.execute(
+        "SELECT pg_catalog.pg_backend_pid(),"
+        " set_config('statement_timeout', %s, false), set_config('lock_timeout', %s, false),"
         " set_config('idle_in_transaction_session_timeout', %s, false),"
         # Fixed output formats: the text COPY data of one session is read by another.
         " set_config('DateStyle', 'ISO, MDY', false), set_config('IntervalStyle', 'postgres', false),"
         " set_config('extra_float_digits', '3', false), set_config('bytea_output', 'hex', false)",
         [f"{statement}s", f"{lock}s", f"{statement}s"],
-    )
+    ).fetchone()
     conn.commit()
+    pid = int(row[0]) if row else None
+    return pid if pid == conn.info.backend_pid else None
 
 
 def _timeouts(spec: dict[str, Any]) -> None:
@@ -481,32 +503,183 @@ def _strip_query(query: str) -> str:
 
 class _Canceller:
     """Cancels the statement (or COPY) running on a connector's connection when the
-    execution is told to stop: a timeout, an operator's cancel, a lost lease, a release.
+    execution is told to stop: a timeout, an operator's cancel, a lost lease, a release;
+    and watches the connection while it waits on its server.
 
-    The interrupt runs on another thread than the transfer. The lock keeps it from using
-    the connection while the transfer thread closes it.
+    Stopping works when the server does not answer too: a cancel request that gets no
+    answer, or a statement still running CANCEL_TIMEOUT_SECONDS after the first
+    interrupt, shuts the connection's socket down (the blocked call fails at once and the
+    server rolls the transaction back when it notices).
+
+    A wait on a server that stopped answering without closing the connection (a silent
+    partition, a hung middlebox) is found by asking the server, on a connection of its
+    own, what the session is doing (`DISPATCH_CONNECTOR_PROBE_SECONDS`): no answer twice
+    in a row, the session gone, or the session idle twice in a row while the client waits
+    for an answer (one lost on the way) drops the connection, and the attempt fails as a
+    transient error naming why. A statement the server reports as running is slow, not
+    lost, and is left alone (its own `statement_timeout` bounds it).
+
+    The interrupt and the watcher run on other threads than the transfer. The lock keeps
+    them from using the connection while the transfer thread closes it.
     """
 
-    def __init__(self, ctx: TransferContext | None) -> None:
+    def __init__(
+        self, ctx: TransferContext | None, config: dict[str, Any] | None = None, what: str = ""
+    ) -> None:
         self._ctx = ctx
+        self._config = config
+        self._what = what
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
         self._unregister: Callable[[], None] | None = None
+        self._interrupted_at: float | None = None
+        self._closed = threading.Event()
+        # Calls in progress on the connection (the transfer thread's), and since when.
+        self._depth = 0
+        self.busy_since: float | None = None
+        self._pid: int | None = None
+        # Why the connection was dropped on purpose (for the attempt's error).
+        self.dropped: str | None = None
 
     def attach(self, conn: psycopg.Connection[Any]) -> None:
         with self._lock:
             self._conn = conn
+        every = conf.connector_probe_seconds()
+        if every > 0 and self._config is not None and self._ctx is not None:
+            threading.Thread(
+                target=self._watch, args=(every,), name=f"dispatch-{self._what}-probe", daemon=True
+            ).start()
         if self._ctx is not None:
             self._unregister = self._ctx.on_stop(self._interrupt)
             if self._ctx.should_stop():
                 raise Stopped("stop requested while connecting")
 
+    def enter(self) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self.busy_since = time.monotonic()
+
+    def leave(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.busy_since = None
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """A generator handing out what it read is not waiting on its server."""
+        depth, self._depth, self.busy_since = self._depth, 0, None
+        try:
+            yield
+        finally:
+            self._depth = depth
+            if depth:
+                self.busy_since = time.monotonic()
+
+    def watch(self, pid: int | None) -> None:
+        """The attached connection's server process (None behind a pooler, whose process
+        id is its own: then only an unanswered probe counts)."""
+        self._pid = pid
+
     def _interrupt(self) -> None:
         with self._lock:
-            if self._conn is not None and not self._conn.closed:
-                self._conn.cancel_safe(timeout=CANCEL_TIMEOUT_SECONDS)
+            conn = self._conn
+            if conn is None or conn.closed:
+                return
+            now = time.monotonic()
+            if self._interrupted_at is None:
+                self._interrupted_at = now
+            elif now - self._interrupted_at >= CANCEL_TIMEOUT_SECONDS:
+                if _waiting(conn):
+                    self._drop(conn, "the statement did not end after a cancel request")
+                return
+            try:
+                conn.cancel_safe(timeout=CANCEL_TIMEOUT_SECONDS)
+            except psycopg.Error:  # the cancel request got no answer in time
+                if _waiting(conn):
+                    self._drop(conn, "the server did not answer a cancel request")
+
+    def _drop(self, conn: psycopg.Connection[Any], why: str) -> None:
+        """Shut the socket down (under the lock: the descriptor is still the connection's)."""
+        if self.dropped is None:
+            self.dropped = f"connection dropped: {why}"
+        log.warning("%s connection dropped: %s", self._what, why)
+        deadline.shutdown_socket(conn.fileno())
+
+    def _watch(self, every: float) -> None:
+        misses = 0
+        waited: tuple[float, str] | None = None  # (busy since, server's stamp) last seen
+        while not self._closed.wait(every):
+            conn, since = self._conn, self.busy_since
+            if conn is None or conn.closed:
+                return
+            if since is None or time.monotonic() - since < every:
+                misses, waited = 0, None  # not waiting on the server (long enough)
+                continue
+            state, stamp = self._probe(every, self._pid)
+            misses = misses + 1 if state is None else 0
+            why = None
+            if misses >= 2:
+                why = f"no answer from the server for {misses} probes {every:g}s apart"
+            elif state == "gone":
+                why = "the server ended the session without the client hearing of it"
+            elif state == "waits for the client":
+                # Twice, in one wait of ours, with nothing done by the server in between:
+                # what the client waits for never reached the server (or its answer never
+                # came back).
+                if waited == (since, stamp):
+                    why = "the server waits for the client while the client waits for an answer"
+                waited = (since, stamp)
+            else:
+                waited = None
+            if why is None:
+                continue
+            with self._lock:
+                if self._conn is conn and not conn.closed and self.busy_since == since:
+                    self._drop(conn, why)
+            return
+
+    def _probe(self, timeout: float, pid: int | None) -> tuple[str | None, str]:
+        """What the server says of the watched session: ("gone", ""), ("waits for the
+        client", when it started to), ("working", ""), ("", "") for an answer that does
+        not say; (None, "") if the server did not answer within `timeout`."""
+        assert self._config is not None
+        try:
+            probe = psycopg.connect(
+                _conninfo(self._config),
+                connect_timeout=max(2, math.ceil(timeout)),
+                autocommit=True,
+                application_name="dispatch probe",
+            )
+        except psycopg.OperationalError as exc:
+            # A refusal is an answer (the server is there); only silence counts.
+            return (None, "") if "timeout" in str(exc).lower() else ("", "")
+        try:
+            with probe, deadline.guarded(probe, f"{self._what} probe", timeout):
+                if pid is None:
+                    probe.execute("SELECT 1")
+                    return "", ""
+                row = probe.execute(
+                    "SELECT state, wait_event, state_change::text, query_start::text"
+                    " FROM pg_catalog.pg_stat_activity WHERE pid = %s",
+                    [pid],
+                ).fetchone()
+        except deadline.DeadlineExceeded:
+            return None, ""
+        except psycopg.Error:
+            return "", ""
+        if row is None:
+            return "gone", ""
+        state, wait_event, state_change, query_start = row
+        if state is None:
+            return "", ""  # not allowed to see it
+        if str(state).startswith("idle"):
+            return "waits for the client", f"{state} {state_change}"
+        if state == "active" and wait_event == "ClientRead":
+            return "waits for the client", f"reading {query_start}"
+        return "working", ""
 
     def close(self, conn: psycopg.Connection[Any]) -> None:
+        self._closed.set()
         if self._unregister is not None:
             self._unregister()
             self._unregister = None
@@ -515,6 +688,11 @@ class _Canceller:
             # An unfinished COPY or transaction is abandoned: closing rolls back.
             with contextlib.suppress(Exception):
                 conn.close()
+
+
+def _waiting(conn: psycopg.Connection[Any]) -> bool:
+    """A statement (or COPY) is in flight: the client waits on the server."""
+    return bool(conn.info.transaction_status == pq.TransactionStatus.ACTIVE)
 
 
 # --- reader ---------------------------------------------------------------------------------
@@ -529,7 +707,7 @@ class _Reader:
         self.spec = spec
         self.secrets = _secrets(config)
         self.conn: psycopg.Connection[Any] | None = None
-        self._canceller = _Canceller(ctx)
+        self._canceller = _Canceller(ctx, config, "source")
         self.columns: list[Column] = []
         self.oids: list[int] = []
         # An incremental read (dispatch/connectors/incremental.py): `bound()` decides the
@@ -550,8 +728,8 @@ class _Reader:
     def open(self) -> None:
         self.conn = connect(self.config, what="source connect")
         self._canceller.attach(self.conn)
-        with _errors(self.secrets, "source"):
-            _set_timeouts(self.conn, self.spec)
+        with _errors(self.secrets, "source", self._canceller):
+            self._canceller.watch(_set_timeouts(self.conn, self.spec))
             if self.spec.get("query") and targets.query_sources_least_privilege():
                 _check_least_privilege(self.conn)
             self.conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
@@ -596,7 +774,7 @@ class _Reader:
         """Incremental reads: the rows above `start` (the sink's committed cursor), decided
         in this reader's snapshot; `end` is the greatest cursor tuple among them."""
         assert self.conn is not None and self._plan is not None
-        with _errors(self.secrets, "source cursor"):
+        with _errors(self.secrets, "source cursor", self._canceller):
             self.bounds = self._plan.bound(self.conn, start)
         return self.bounds
 
@@ -636,7 +814,7 @@ class _Reader:
         binary = all(
             self.conn.adapters.get_loader(oid, pq.Format.BINARY) is not None for oid in self.oids
         )
-        with _errors(self.secrets, "source read"):
+        with _errors(self.secrets, "source read", self._canceller):
             cur = self.conn.cursor()
             with cur.copy(self._copy_sql("binary" if binary else "text")) as copy:
                 copy.set_types(self.oids)
@@ -644,10 +822,12 @@ class _Reader:
                 for row in copy.rows():
                     batch.append(row)
                     if len(batch) >= BATCH_ROWS:
-                        yield batch
+                        with self._canceller.suspended():
+                            yield batch
                         batch = []
                 if batch:
-                    yield batch
+                    with self._canceller.suspended():
+                        yield batch
 
     def copy_chunks(
         self, fmt: str, options: dict[str, str] | None = None
@@ -662,7 +842,7 @@ class _Reader:
         """
         assert self.conn is not None
         conn, pgconn = self.conn, self.conn.pgconn
-        with _errors(self.secrets, "source read"):
+        with _errors(self.secrets, "source read", self._canceller):
             # Sent on the connection whose transaction (and snapshot) open() began; psycopg
             # sees the transaction status through libpq, so its state stays consistent.
             pgconn.send_query(self._copy_sql(fmt, options).as_bytes(conn))
@@ -678,7 +858,8 @@ class _Reader:
                     # Flush before appending, so the last message (the binary trailer)
                     # is always in the final block.
                     if size >= COPY_BLOCK_BYTES:
-                        yield b"".join(parts), rows
+                        with self._canceller.suspended():
+                            yield b"".join(parts), rows
                         parts, size, rows = [], 0, 0
                     parts.append(data)
                     size += nbytes
@@ -694,7 +875,8 @@ class _Reader:
             _wait(pgconn)
             _raise_result(pgconn, pgconn.get_result())
             if parts:
-                yield b"".join(parts), rows
+                with self._canceller.suspended():
+                    yield b"".join(parts), rows
 
 
 def _wait(pgconn: Any) -> None:
@@ -734,7 +916,7 @@ class _Writer:
         self.config = config
         self.spec = spec
         self.ctx = ctx
-        self._canceller = _Canceller(ctx)
+        self._canceller = _Canceller(ctx, config, "sink")
         self.source_columns = columns
         self.secrets = _secrets(config)
         self.mode = spec.get("mode", "append")
@@ -757,8 +939,8 @@ class _Writer:
     def open(self) -> None:
         self.conn = connect(self.config, what="sink connect")
         self._canceller.attach(self.conn)
-        with _errors(self.secrets, "sink"):
-            _set_timeouts(self.conn, self.spec)
+        with _errors(self.secrets, "sink", self._canceller):
+            self._canceller.watch(_set_timeouts(self.conn, self.spec))
             schema, self.name = parse_table(self.spec["table"])
             current = self.conn.execute("SELECT pg_catalog.current_schema()").fetchone()
             self.schema = schema or (current[0] if current else "public")
@@ -835,7 +1017,7 @@ class _Writer:
             raise PermanentError(
                 "incremental.lookback_seconds re-reads rows, so it needs an upsert sink"
             )
-        with _errors(self.secrets, "sink cursor"):
+        with _errors(self.secrets, "sink cursor", self._canceller):
             self._cursor_read = incremental.read_committed(
                 self.conn, self.schema, self.ctx.fence.binding_id
             )
@@ -996,7 +1178,7 @@ class _Writer:
     def write_copy(self, data: bytes, rows: int) -> int:
         if self.already_committed:
             return 0
-        with _errors(self.secrets, "sink write"):
+        with _errors(self.secrets, "sink write", self._canceller):
             self._start_copy(self._copy_fmt or "text")
             self._copy.write(data)
         self.rows += rows
@@ -1005,7 +1187,7 @@ class _Writer:
     def write(self, batch: Batch) -> int:
         if self.already_committed:
             return 0
-        with _errors(self.secrets, "sink write"):
+        with _errors(self.secrets, "sink write", self._canceller):
             # Text COPY: the server parses each value into the column's type, so rows from
             # any source (strings from a CSV, Python values from a generator) fit.
             copy = self._start_copy("text")
@@ -1031,7 +1213,7 @@ class _Writer:
         assert self.conn is not None
         conn = self.conn
         fence = self.ctx.fence
-        with _errors(self.secrets, "sink commit"):
+        with _errors(self.secrets, "sink commit", self._canceller):
             copied = self._end_copy()
             if copied is not None:
                 self.rows = copied  # the server's own count ("COPY n")
