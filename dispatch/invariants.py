@@ -789,8 +789,8 @@ def check_sink_values(state: State, sinks: list[SinkTable]) -> list[Violation]:
                 "sink_values",
                 sink.name,
                 f"{committed} committed run(s) in {sink.mode} mode: {sum(missing.values())} "
-                f"source row version(s) missing, {sum(extra.values())} row(s) not in the "
-                f"source (e.g. {sample[:200]!r})",
+                f"source row version(s) missing, {sum(extra.values())} row(s) too many "
+                f"(e.g. {sample[:200]!r})",
             )
         )
     return found

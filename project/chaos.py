@@ -46,6 +46,9 @@ T = TypeVar("T")
 DB_ERRORS: tuple[type[BaseException], ...] = (DjangoDBError, psycopg.Error)
 DATABASE = "dispatch_chaos"
 SINK_DATABASE = "dispatch_chaos_sink"
+# The typed binding's source: one column of each of 35 types (project/typesample.py).
+SOURCE_DATABASE = "dispatch_chaos_source"
+TYPED = "chaos-pg-types"
 # The campaign's own connections carry this name, so killing "working connections" never
 # hits the campaign itself.
 APP_NAME = "dispatch-chaos"
@@ -64,6 +67,7 @@ FAULT_KINDS = (
     "disable_binding",
     "partition",
     "stall",
+    "sink_partition",
 )
 # Relative frequency of each kind after the first round (which injects every kind once).
 WEIGHTS = {
@@ -79,6 +83,7 @@ WEIGHTS = {
     "disable_binding": 1,
     "partition": 1,
     "stall": 1,
+    "sink_partition": 1,
 }
 # A silent partition lasts four leases: the worker's deadlines must notice it, its
 # executions stop, recovery hands its runs to others, and it rejoins after the heal.
@@ -86,6 +91,12 @@ PARTITION_SECONDS = LEASE_SECONDS * 4
 # A stall holds a worker's bytes back for two leases and then delivers them: requests
 # its deadlines gave up on reach the server late (a late heartbeat, claim or settlement).
 STALL_SECONDS = LEASE_SECONDS * 2
+# The PostgreSQL sink's own path goes silent for as long: heartbeats still confirm the
+# leases, so only the connectors' probes (DISPATCH_CONNECTOR_PROBE_SECONDS) end the waits
+# of the executions writing there; their retries succeed after the heal.
+SINK_PARTITION_SECONDS = PARTITION_SECONDS
+SINK = "sink"  # the proxy slot of the PostgreSQL sink's connections
+PROBE_SECONDS = 2
 
 
 @dataclass
@@ -136,6 +147,7 @@ class Summary:
     quiesce_seconds: float = 0.0
     partition_dropped_bytes: int = 0
     stall_held_bytes: int = 0
+    sink_dropped_bytes: int = 0
     postgresql_sink: bool = False
     schedules: int = 0
     violations: list[str] = field(default_factory=list)
@@ -174,7 +186,9 @@ class Summary:
             f"(triggers offered {self.trigger_rate:.2f}/s); quiesced in {self.quiesce_seconds:.1f}s",
             f"  silent partitions: {self.faults.get('partition', 0)} "
             f"({self.partition_dropped_bytes} bytes swallowed by the black hole); stalls: "
-            f"{self.faults.get('stall', 0)} ({self.stall_held_bytes} bytes delivered late)",
+            f"{self.faults.get('stall', 0)} ({self.stall_held_bytes} bytes delivered late); "
+            f"sink partitions: {self.faults.get('sink_partition', 0)} "
+            f"({self.sink_dropped_bytes} bytes swallowed)",
             f"  harness database retries: {self.harness_db_retries}",
             f"  unexpected process exits: {len(self.unexpected_exits)}",
         ]
@@ -220,12 +234,20 @@ class Campaign:
             old.unlink()
         self.server.start()
         with psycopg.connect(self.server.url("postgres"), autocommit=True) as admin:
-            for name in (DATABASE, SINK_DATABASE):
+            for name in (DATABASE, SINK_DATABASE, SOURCE_DATABASE):
                 # A fresh slate per campaign, so a seed replays from the same state.
                 admin.execute(
                     sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
                 )
                 admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        from project.typesample import ROWS, TYPES
+
+        # The typed source, and its enum and domain in the sink (which `create: true` uses).
+        with psycopg.connect(self.server.url(SOURCE_DATABASE), autocommit=True) as c:
+            c.execute(TYPES.format(table="source"))
+            c.execute(ROWS)
+        with psycopg.connect(self.server.url(SINK_DATABASE), autocommit=True) as c:
+            c.execute(TYPES.format(table="chaos_types_definition"))
         db = connection.settings_dict
         connection.close()
         db.update(NAME=DATABASE, HOST="127.0.0.1", PORT=str(self.o.port), USER="postgres")
@@ -254,8 +276,20 @@ class Campaign:
             j.save()
             return j
 
-        def binding(name: str, j: Job, sink: Datasource, concurrency: int = 2) -> JobBinding:
-            b = JobBinding(name=name, job=j, source=source, sink=sink, max_concurrency=concurrency)
+        def binding(
+            name: str,
+            j: Job,
+            sink: Datasource,
+            concurrency: int = 2,
+            source_ds: Datasource | None = None,
+        ) -> JobBinding:
+            b = JobBinding(
+                name=name,
+                job=j,
+                source=source_ds or source,
+                sink=sink,
+                max_concurrency=concurrency,
+            )
             b.full_clean()
             b.save()
             return b
@@ -276,18 +310,45 @@ class Campaign:
         )
         if self._postgresql_available():
             self.summary.postgresql_sink = True
+            # The sink's connections go through a proxy of their own (`sink_partition`).
             sink = _datasource(
                 "chaos-pg-sink",
                 "postgresql",
                 {
                     "host": "127.0.0.1",
-                    "port": self.o.port,
+                    "port": self._proxy(SINK).port,
                     "dbname": SINK_DATABASE,
                     "user": "postgres",
                     "sslmode": "disable",
                 },
             )
             self.sink_datasources.append(sink)
+            # Every type PostgreSQL can COPY, with awkward values, copied again and again
+            # (replace): the checker compares the sink with the source value by value.
+            typed_source = _datasource(
+                "chaos-pg-types-source",
+                "postgresql",
+                {
+                    "host": "127.0.0.1",
+                    "port": self.o.port,
+                    "dbname": SOURCE_DATABASE,
+                    "user": "postgres",
+                    "sslmode": "disable",
+                },
+            )
+            self.bindings.append(
+                binding(
+                    TYPED,
+                    job(
+                        TYPED,
+                        {"table": "public.source"},
+                        {"table": "public.chaos_types", "mode": "replace", "create": True},
+                    ),
+                    sink,
+                    concurrency=1,
+                    source_ds=typed_source,
+                )
+            )
             for mode in ("append", "replace"):
                 self.bindings.append(
                     binding(
@@ -356,6 +417,7 @@ class Campaign:
             "DISPATCH_POLL_INTERVAL": "1",
             "DISPATCH_RECOVERY_INTERVAL": "1",
             "DISPATCH_SHUTDOWN_GRACE_SECONDS": "3",
+            "DISPATCH_CONNECTOR_PROBE_SECONDS": str(PROBE_SECONDS),
             "LOG_LEVEL": "INFO",
             "PYTHONUNBUFFERED": "1",
         }
@@ -564,6 +626,16 @@ class Campaign:
         self.partitioned_until[slot] = time.monotonic() + STALL_SECONDS
         return True
 
+    def fault_sink_partition(self) -> bool:
+        # Worth it while a worker writes there; the sink's proxy, not a worker's.
+        if SINK not in self.proxies or SINK in self.partitioned_until:
+            return False
+        if not self.busy_workers(sink_kind="postgresql"):
+            return False
+        self.proxies[SINK].blackhole()
+        self.partitioned_until[SINK] = time.monotonic() + SINK_PARTITION_SECONDS
+        return True
+
     def _heal(self, *, all_now: bool = False) -> None:
         for slot, until in list(self.partitioned_until.items()):
             if all_now or time.monotonic() >= until:
@@ -703,13 +775,20 @@ class Campaign:
             self._resume_stopped(all_now=True)
             self._heal(all_now=True)
             self.stop_all()
+            self._count_proxy_bytes()
             for proxy in self.proxies.values():
-                self.summary.partition_dropped_bytes += proxy.dropped_bytes
-                self.summary.stall_held_bytes += proxy.held_bytes
                 proxy.__exit__(None, None, None)
             if not self.o.keep_server:
                 self.server.stop()
         return self.summary
+
+    def _count_proxy_bytes(self) -> None:
+        s = self.summary
+        s.partition_dropped_bytes = sum(
+            p.dropped_bytes for slot, p in self.proxies.items() if slot != SINK
+        )
+        s.sink_dropped_bytes = self.proxies[SINK].dropped_bytes if SINK in self.proxies else 0
+        s.stall_held_bytes = sum(p.held_bytes for p in self.proxies.values())
 
     def _db_now(self) -> Any:
         def now() -> Any:
@@ -866,7 +945,8 @@ class Campaign:
                     run_ids=frozenset(self.run_ids),
                     requested_by=self.tag,
                     schedule_ids=frozenset(self.schedule_ids),
-                )
+                ),
+                values=True,
             )
         )
         s.violations = [str(v) for v in report.violations]
@@ -874,6 +954,7 @@ class Campaign:
         s.stale_commits_accepted = len(stale)
         s.violations.extend(stale)
         s.notes.extend(report.notes)
+        self._count_proxy_bytes()
         (self.o.out_dir / "run-ids.txt").write_text(
             "".join(f"{r}\n" for r in sorted(map(str, self.run_ids)))
         )

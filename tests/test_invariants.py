@@ -328,3 +328,65 @@ def test_check__schedule_slots_missing_and_bogus() -> None:
     )
     report = invariants.check(scope, sinks=False)
     assert "not a due slot" in report.render()
+
+
+def _pg_values_run(mode: str) -> Run:
+    """A SUCCEEDED run copying inv_source (a PostgreSQL table) into inv_sink, both in this
+    very database, with the sink as a committed attempt leaves it."""
+    from tests.factories import DatasourceFactory
+
+    with connection.cursor() as cursor:
+        cursor.execute("DROP TABLE IF EXISTS inv_source, inv_sink, dispatch_fence")
+        cursor.execute("CREATE TABLE inv_source (id bigint, span interval, doc json)")
+        cursor.execute(
+            "INSERT INTO inv_source VALUES (1, '1 year 2 mons', '{\"b\": 2.50, \"b\": 1}'),"
+            " (2, NULL, '[]')"
+        )
+        cursor.execute("CREATE TABLE inv_sink (LIKE inv_source)")
+        cursor.execute("INSERT INTO inv_sink SELECT * FROM inv_source")
+        cursor.execute(
+            "CREATE TABLE dispatch_fence (run_id uuid PRIMARY KEY, binding_id uuid,"
+            " token bigint NOT NULL, attempt_id uuid, committed_at timestamptz)"
+        )
+    source = DatasourceFactory(kind="postgresql", config=_sink_config())
+    sink = DatasourceFactory(kind="postgresql", config=_sink_config())
+    job = JobFactory(
+        source_spec={"table": "public.inv_source"},
+        sink_spec={"table": "public.inv_sink", "mode": mode},
+    )
+    run = trigger(BindingFactory(job=job, source=source, sink=sink))
+    (claimed,) = claims.claim("w-inv", run_id=run.id)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO dispatch_fence VALUES (%s, %s, %s, %s, now())",
+            [run.id, run.binding_id, claimed.lease_token, claimed.attempt_id],
+        )
+    claims.settle(claimed.attempt_id, claimed.lease_token, "SUCCEEDED")
+    return run
+
+
+@override_settings(DISPATCH_ALLOW_SITE_DATABASE=True)  # source and sink are this database
+def test_check__pg_sink_values_compared_with_the_source_row_by_row() -> None:
+    run = _pg_values_run("replace")
+    report = invariants.check(scope_of(run), values=True)
+    assert report.ok, report.render()
+    # A value changed on the way (an interval's units: same length, other text).
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE inv_sink SET span = '425 days' WHERE id = 1")
+    report = invariants.check(scope_of(run), values=True)
+    assert checks_failing(report) == {"sink_values"}
+    assert "1 source row version(s) missing, 1 row(s) too many" in report.render()
+    assert "425 days" in report.render()
+    # Without `values` the checker does not read the source (its rows may change).
+    assert invariants.check(scope_of(run)).ok
+
+
+@override_settings(DISPATCH_ALLOW_SITE_DATABASE=True)  # source and sink are this database
+def test_check__pg_sink_values_append_holds_each_row_once_per_committed_run() -> None:
+    run = _pg_values_run("append")
+    assert invariants.check(scope_of(run), values=True).ok
+    with connection.cursor() as cursor:
+        cursor.execute("INSERT INTO inv_sink SELECT * FROM inv_source WHERE id = 2")
+    report = invariants.check(scope_of(run), values=True)
+    assert checks_failing(report) == {"sink_values"}
+    assert "0 source row version(s) missing, 1 row(s) too many" in report.render()
