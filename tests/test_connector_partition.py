@@ -67,6 +67,28 @@ def _no_sessions(db: ScratchDB) -> bool:
     )
 
 
+def _transfer_in_thread(
+    src_db: ScratchDB, dst_db: ScratchDB, proxy: BlackholeProxy, ctx: Ctx
+) -> tuple[threading.Thread, list[BaseException]]:
+    """items -> target through the proxy, on a thread; the list receives its error."""
+    outcome: list[BaseException] = []
+
+    def transfer() -> None:
+        try:
+            run_transfer(
+                PG, src_db.config, {"table": "items"}, PG, _through(proxy, dst_db),
+                {"table": "target", "mode": "append"}, ctx,
+            )  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            outcome.append(exc)
+        finally:
+            connection.close()  # the site-database check's, of this thread
+
+    thread = threading.Thread(target=transfer, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
 def _count(db: ScratchDB) -> int:
     return int(db.execute("SELECT count(*) FROM target")[0][0])
 
@@ -129,21 +151,7 @@ def test_connector_partition__a_stop_reaches_a_sink_that_answers_nothing(
     dst_db.execute("CREATE TABLE target (id integer PRIMARY KEY, label text)")
     with BlackholeProxy("127.0.0.1", int(dst_db.config["port"])) as proxy:
         ctx = CutOnFirstBlock(proxy=proxy)
-        outcome: list[BaseException] = []
-
-        def transfer() -> None:
-            try:
-                run_transfer(
-                    PG, src_db.config, {"table": "items"}, PG, _through(proxy, dst_db),
-                    {"table": "target", "mode": "append"}, ctx,
-                )  # fmt: skip
-            except BaseException as exc:  # noqa: BLE001 - the test inspects it
-                outcome.append(exc)
-            finally:
-                connection.close()  # the site-database check's, of this thread
-
-        thread = threading.Thread(target=transfer, daemon=True)
-        thread.start()
+        thread, outcome = _transfer_in_thread(src_db, dst_db, proxy, ctx)
         # The commit was sent into the black hole: the transfer waits for its answer.
         wait_until(lambda: proxy.dropped_bytes > 0, message="bytes swallowed")
         assert thread.is_alive()
@@ -194,21 +202,7 @@ def test_connector_partition__a_request_lost_in_a_short_partition_is_found_after
     dst_db.execute("CREATE TABLE target (id integer PRIMARY KEY, label text)")
     with BlackholeProxy("127.0.0.1", int(dst_db.config["port"])) as proxy:
         ctx = CutOnFirstBlock(proxy=proxy)
-        outcome: list[BaseException] = []
-
-        def transfer() -> None:
-            try:
-                run_transfer(
-                    PG, src_db.config, {"table": "items"}, PG, _through(proxy, dst_db),
-                    {"table": "target", "mode": "append"}, ctx,
-                )  # fmt: skip
-            except BaseException as exc:  # noqa: BLE001 - the test inspects it
-                outcome.append(exc)
-            finally:
-                connection.close()  # the site-database check's, of this thread
-
-        thread = threading.Thread(target=transfer, daemon=True)
-        thread.start()
+        thread, outcome = _transfer_in_thread(src_db, dst_db, proxy, ctx)
         # The sink's request vanished; the path heals before any probe ran. The server
         # answers now, and says it waits for the client: the request is lost.
         wait_until(lambda: proxy.dropped_bytes > 0, message="bytes swallowed")
