@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from django.core.exceptions import ValidationError
 
-from dispatch.connectors.base import LeaseLost, PermanentError, TransientError
+from dispatch.connectors.base import Column, LeaseLost, PermanentError, TransientError
 from dispatch.connectors.builtin import GenerateConnector
 from dispatch.connectors.csv import CSVConnector as CSV
 from tests.test_connectors_helpers import Ctx, run_transfer
@@ -74,6 +74,48 @@ def test_null_marker__maps_fields_to_null_and_back(tmp_path: Path) -> None:
         assert [list(x) for b in r.batches() for x in b] == [["1", None], ["2", "x"]]
     _copy(tmp_path, {"path": "in.csv", "null": "\\N"}, {"path": "out.csv", "null": "NULL"})
     assert (tmp_path / "out.csv").read_text() == "a,b\n1,NULL\n2,x\n"
+
+
+def test_null__unquoted_empty_is_null_and_quoted_empty_is_data_by_default(tmp_path: Path) -> None:
+    # PostgreSQL's CSV convention (and what the sink writes): NULL is the unquoted marker,
+    # a quoted field is always data, also when it equals the marker.
+    (tmp_path / "in.csv").write_text(
+        'a,b,c\n,"",x\n"",,\n"a""b",,"line\none"\n', encoding="utf-8", newline=""
+    )
+    (tmp_path / "m.csv").write_text('a,b\n\\N,"\\N"\n"x,\\N",\\N\n', newline="")
+    cfg = {"base_dir": str(tmp_path)}
+
+    def read(spec: dict) -> list[list]:
+        with CSV.open_reader(cfg, spec, Ctx()) as r:
+            return [list(row) for batch in r.batches() for row in batch]
+
+    assert read({"path": "in.csv"}) == [
+        [None, "", "x"],
+        ["", None, None],
+        ['a"b', None, "line\none"],
+    ]
+    assert read({"path": "m.csv", "null": "\\N"}) == [[None, "\\N"], ["x,\\N", None]]
+    # No marker: every field is a string.
+    assert read({"path": "in.csv", "null": None})[1] == ["", "", ""]
+    with pytest.raises(ValidationError, match="null: must be a string"):
+        CSV.validate_sink_spec({"path": "out.csv", "null": None})
+
+
+@pytest.mark.parametrize("null", ["", "\\N", "NULL"])
+def test_null__rows_written_read_back_exactly(tmp_path: Path, null: str) -> None:
+    # Rows (not PostgreSQL's COPY): NULL, '', the marker itself as data, and the values
+    # PostgreSQL's CSV treats specially must all come back as they were.
+    values = [None, "", null or "x", "\\.", 'q"uote', "a,b", "two\nlines", " pad "]
+    rows = [(i, v) for i, v in enumerate(values)]
+    cfg = {"base_dir": str(tmp_path)}
+    with CSV.open_writer(
+        cfg, {"path": "out.csv", "null": null}, Ctx(), [Column("i"), Column("v")]
+    ) as w:
+        w.write(rows)
+        w.commit()
+    with CSV.open_reader(cfg, {"path": "out.csv", "null": null}, Ctx()) as r:
+        back = [list(row) for batch in r.batches() for row in batch]
+    assert back == [[str(i), v] for i, v in rows]
 
 
 @pytest.mark.parametrize("path", ["../x.csv", "a/../../x.csv", "/etc/passwd", "..", ""])

@@ -29,16 +29,17 @@ def _rows(db: ScratchDB, table: str) -> dict[int, str]:
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("null", [None, "\\N"], ids=["default-null", "null-marker"])
 def test_values__pg_to_csv_to_pg_every_type_exactly(
-    src_db: ScratchDB, dst_db: ScratchDB, tmp_path: Path
+    src_db: ScratchDB, dst_db: ScratchDB, tmp_path: Path, null: str | None
 ) -> None:
     src_db.execute(TYPES.format(table="source"))
     src_db.execute(ROWS)
     dst_db.execute(TYPES.format(table="target"))
     files = {"base_dir": str(tmp_path)}
-    # A null marker no value uses: PostgreSQL's CSV tells NULL (unquoted) from '' (quoted),
-    # a CSV reader does not.
-    csv_spec = {"path": "values.csv", "null": "\\N"}
+    # The default marker is the empty field: NULL is written unquoted, '' quoted, and the
+    # reader tells the two apart (row 2 is all NULLs, row 3 holds empty strings).
+    csv_spec = {"path": "values.csv"} if null is None else {"path": "values.csv", "null": null}
     written = run_transfer(
         PG, src_db.config, {"table": "public.source"}, CSVConnector, files, csv_spec
     )
@@ -48,6 +49,8 @@ def test_values__pg_to_csv_to_pg_every_type_exactly(
     assert "1 year 2 mons 3 days 04:05:06.789" in text
     assert '{""b"": 2.50, ""a"": [1, 2], ""b"": ""dup""}' in text
     assert "(,6)" in text and "24:00:00" in text and "0044-03-15 12:00:00 BC" in text
+    if null is None:
+        assert ',"",' in text and "\n2,,," in text
     loaded = run_transfer(
         CSVConnector, files, csv_spec, PG, dst_db.config, {"table": "target", "mode": "append"}
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import errno
+import io
 import json
 import os
 import tempfile
@@ -201,7 +202,7 @@ class CSVConnector(Connector):
         return config
 
     @classmethod
-    def _common(cls, spec: dict[str, Any]) -> None:
+    def _common(cls, spec: dict[str, Any], role: str) -> None:
         if "path" not in spec:
             raise ValidationError("path: this field is required")
         check_relative_path(spec["path"])
@@ -216,8 +217,13 @@ class CSVConnector(Connector):
         if not isinstance(spec.get("header", True), bool):
             raise ValidationError("header: must be true or false")
         null = spec.get("null", "")
+        if null is None and role == "source":
+            return  # no marker: every field is a string
         if not isinstance(null, str):
-            raise ValidationError("null: must be a string (the text that stands for NULL)")
+            raise ValidationError(
+                "null: must be a string (the text that stands for NULL)"
+                + (", or null for none" if role == "source" else "")
+            )
         # PostgreSQL's CSV (which a PostgreSQL source writes) refuses these, and a null
         # string holding them could not be told apart from data anyway.
         if any(c in null for c in (delimiter, '"', "\r", "\n")):
@@ -227,14 +233,14 @@ class CSVConnector(Connector):
     def validate_source_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
         spec = require_object(spec, "source_spec")
         check_unknown(spec, cls.SOURCE_FIELDS)
-        cls._common(spec)
+        cls._common(spec, "source")
         return spec
 
     @classmethod
     def validate_sink_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
         spec = require_object(spec, "sink_spec")
         check_unknown(spec, cls.SINK_FIELDS)
-        cls._common(spec)
+        cls._common(spec, "sink")
         if spec.get("mode", "replace") not in SINK_MODES:
             raise ValidationError(f"mode: must be one of {', '.join(SINK_MODES)}")
         return spec
@@ -298,8 +304,10 @@ def _single_link(fd: int, name: str) -> None:
 class _Reader:
     def __init__(self, handle: IO[str], spec: dict[str, Any]) -> None:
         self.spec = spec
-        self.null = spec.get("null")
-        self._rows = csv.reader(handle, delimiter=spec.get("delimiter", ","))
+        self.null: str | None = spec.get("null", "")
+        self.delimiter: str = spec.get("delimiter", ",")
+        self._lines = _Lines(handle)
+        self._rows = csv.reader(self._lines, delimiter=self.delimiter)
         self._first: list[str] | None = None
         first = self._next()
         if first is None:  # an empty file: no columns, no rows
@@ -315,6 +323,7 @@ class _Reader:
             self._first = first
 
     def _next(self) -> list[str] | None:
+        self._lines.raw.clear()
         try:
             return next(self._rows)
         except StopIteration:
@@ -342,13 +351,87 @@ class _Reader:
                     f"{self.spec['path']!r} line {self._rows.line_num}: {len(row)} fields, "
                     f"expected {width}"
                 )
-            batch.append(row if self.null is None else [None if v == self.null else v for v in row])
+            batch.append(row if self.null is None else self._nulls(row))
             if len(batch) >= BATCH_ROWS:
                 yield batch
                 batch = []
             row = self._next()
         if batch:
             yield batch
+
+    def _nulls(self, row: list[str]) -> list[str | None]:
+        """NULL for each unquoted field equal to the null marker; a quoted one is data."""
+        null = self.null
+        if null not in row:
+            return row  # type: ignore[return-value]
+        raw = "".join(self._lines.raw)
+        if '"' not in raw:
+            return [None if v == null else v for v in row]
+        quoted = _quoted_fields(raw, self.delimiter)
+        return [None if v == null and not q else v for v, q in zip(row, quoted, strict=True)]
+
+
+class _Lines:
+    """The file's lines, keeping those of the record being parsed: `csv` does not say
+    which fields were quoted, and only the raw text tells `""` (data) from an empty
+    field (NULL with the default marker)."""
+
+    def __init__(self, handle: IO[str]) -> None:
+        self._handle = handle
+        self.raw: list[str] = []
+
+    def __iter__(self) -> _Lines:
+        return self
+
+    def __next__(self) -> str:
+        line = next(self._handle)
+        self.raw.append(line)
+        return line
+
+
+def _quoted_fields(record: str, delimiter: str) -> list[bool]:
+    """Whether each field of one CSV record (as `csv`'s default dialect parses it) begins
+    with a quote."""
+    flags: list[bool] = []
+    i, n = 0, len(record)
+    while True:
+        quoted = i < n and record[i] == '"'
+        flags.append(quoted)
+        if quoted:  # up to the closing quote; "" inside is one quote
+            i += 1
+            while i < n:
+                if record[i] == '"':
+                    if record.startswith('""', i):
+                        i += 2
+                        continue
+                    i += 1
+                    break
+                i += 1
+        # The rest of the field (csv keeps text after a closing quote), to a delimiter or
+        # the record's end.
+        while i < n and record[i] != delimiter:
+            if record[i] in "\r\n":
+                return flags
+            i += 1
+        if i >= n:
+            return flags
+        i += 1
+
+
+def _field(value: str, delimiter: str, null: str) -> str:
+    """One value as a CSV field, quoted when it must be, and whenever it could be read
+    back as NULL (equal to the marker, or empty) or as PostgreSQL's end-of-data `\\.`."""
+    if (
+        value == null
+        or not value
+        or value == "\\."
+        or '"' in value
+        or delimiter in value
+        or "\n" in value
+        or "\r" in value
+    ):
+        return '"' + value.replace('"', '""') + '"'
+    return value
 
 
 class _Writer:
@@ -382,11 +465,20 @@ class _Writer:
         except OSError as exc:
             raise _os_error(f"cannot write in the directory of {spec['path']!r}", exc) from None
         self.handle: IO[str] | None = open(fd, "w", encoding="utf-8", newline="")  # noqa: SIM115
-        self.csv = csv.writer(
-            self.handle, delimiter=spec.get("delimiter", ","), lineterminator="\n"
-        )
+        self.delimiter: str = spec.get("delimiter", ",")
         if self.header and self.mode == "replace" and columns:
-            self.csv.writerow([c.name for c in columns])
+            self._write_header()
+
+    def _header_line(self) -> str:
+        line = io.StringIO()
+        csv.writer(line, delimiter=self.delimiter, lineterminator="\n").writerow(
+            [c.name for c in self.columns]
+        )
+        return line.getvalue()
+
+    def _write_header(self) -> None:
+        assert self.handle is not None
+        self.handle.write(self._header_line())
 
     # From a PostgreSQL source, the rows arrive as PostgreSQL's own CSV (COPY ... FORMAT
     # CSV): every value exactly as PostgreSQL writes it, never through a Python object
@@ -407,10 +499,19 @@ class _Writer:
         return rows
 
     def write(self, batch: Batch) -> int:
-        null, types = self.null, self.types
-        self.csv.writerows(
-            [null if v is None else _text(v, t) for v, t in zip(row, types, strict=False)]
-            for row in batch
+        # By hand, not csv.writer: it writes "" as an empty field and the null marker
+        # unquoted, so either would read back as NULL.
+        assert self.handle is not None
+        null, types, delimiter = self.null, self.types, self.delimiter
+        self.handle.write(
+            "".join(
+                delimiter.join(
+                    null if v is None else _field(_text(v, t), delimiter, null)
+                    for v, t in zip(row, types, strict=False)
+                )
+                + "\n"
+                for row in batch
+            )
         )
         self.rows += len(batch)
         return len(batch)
@@ -443,9 +544,7 @@ class _Writer:
             raise
         with open(fd, "w", encoding="utf-8", newline="") as out:
             if self.header and self.columns and os.fstat(fd).st_size == 0:
-                csv.writer(
-                    out, delimiter=self.spec.get("delimiter", ","), lineterminator="\n"
-                ).writerow([c.name for c in self.columns])
+                out.write(self._header_line())
             with open(self.tmp, encoding="utf-8", newline="") as spool:
                 while chunk := spool.read(1 << 20):
                     out.write(chunk)
