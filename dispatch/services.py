@@ -16,7 +16,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Max
 from django.db.models.functions import Now
 
@@ -99,9 +99,10 @@ def trigger(
     schedule_id: uuid.UUID | None = None,
     scheduled_for: datetime | None = None,
 ) -> Run:
-    """Create a run and its attempt 1 (PENDING, due now) in one transaction and one round
-    trip (`dispatch_trigger_v3`); wake a worker after the commit (an outer `atomic`
-    delays the wake-up until it commits).
+    """Create a run and its attempt 1 (PENDING, due now), commit, and wake a worker, in
+    one round trip (`dispatch_trigger_notify_v4`). Inside an outer `atomic` the run is
+    created in its transaction (`dispatch_trigger_v4`) and the wake-up waits until it
+    commits.
 
     With an `idempotency_key` (or a schedule slot) that already has a run, that run is
     returned and nothing is created. A disabled binding still gets its run: it waits,
@@ -128,8 +129,10 @@ def trigger_many(
     scheduled_for: Sequence[datetime | None] | None = None,
 ) -> list[Run]:
     """`trigger` for many runs at once: one statement creates them all (one transaction
-    unless called inside `atomic`), then one wake-up per created run. The lists, when
-    given, pair up with `bindings`; the result is in the same order."""
+    unless called inside `atomic`) and sends one wake-up per created run. The lists, when
+    given, pair up with `bindings`; the result is in the same order. Runs are inserted in
+    one stable order (key, schedule, slot), so two calls with overlapping keys wait for
+    each other instead of deadlocking."""
     if trigger not in Trigger.values:
         raise ValueError(f"trigger must be one of {', '.join(Trigger.values)}, not {trigger!r}")
     n = len(bindings)
@@ -142,26 +145,31 @@ def trigger_many(
             raise ValueError(f"{name} has {len(values)} items for {n} bindings")
     if n == 0:
         return []
-    with connection.cursor() as cursor:
-        cursor.execute(
-            sqlfiles.query("trigger"),
-            {
-                "bindings": [b.pk for b in bindings],
-                "trigger": trigger,
-                "requested_by": _who(requested_by),
-                "keys": list(idempotency_keys) if idempotency_keys is not None else None,
-                "schedules": list(schedule_ids) if schedule_ids is not None else None,
-                "slots": list(scheduled_for) if scheduled_for is not None else None,
-            },
-        )
-        rows = cursor.fetchall()
+    # The ids are proposed here: a run is ours when its id comes back, and a call asked
+    # again with the same ids creates nothing twice.
+    ids = [uuid.uuid4() for _ in range(n)]
+    params = {
+        "ids": ids,
+        "bindings": [b.pk for b in bindings],
+        "trigger": trigger,
+        "requested_by": _who(requested_by),
+        "keys": list(idempotency_keys) if idempotency_keys is not None else None,
+        "schedules": list(schedule_ids) if schedule_ids is not None else None,
+        "slots": list(scheduled_for) if scheduled_for is not None else None,
+    }
+    if connection.in_atomic_block:
+        rows, woken_already = _trigger_rows(params)[0], False
+    else:
+        rows, woken_already = _trigger_and_notify(params)
     # Runs that already existed (their key or slot had one) are read back whole: the
     # caller gets the stored run, not one rebuilt from its arguments.
-    existing = Run.objects.in_bulk([row[0] for row in rows if not row[4]])
+    existing = Run.objects.in_bulk(
+        [row[0] for row, mine in zip(rows, ids, strict=True) if row[0] != mine]
+    )
     runs = []
     woken: list[uuid.UUID] = []
-    for i, (run_id, binding_id, status, created_at, created) in enumerate(rows):
-        if not created:
+    for i, (run_id, binding_id, status, created_at) in enumerate(rows):
+        if run_id != ids[i]:
             runs.append(existing[run_id])
             continue
         run = Run(
@@ -178,16 +186,50 @@ def trigger_many(
         run._state.adding = False
         run._state.db = connection.alias
         runs.append(run)
-        if created:
-            woken.append(run_id)
-            log.info(
-                "run triggered run=%s binding=%s trigger=%s",
-                run_id,
-                bindings[i].name,
-                trigger,
-            )
-    notify_many(woken)  # after the commit (on_commit inside an outer atomic)
+        woken.append(run_id)
+        log.info(
+            "run triggered run=%s binding=%s trigger=%s",
+            run_id,
+            bindings[i].name,
+            trigger,
+        )
+    if not woken_already:
+        notify_many(woken)  # after the commit (on_commit inside an outer atomic)
     return runs
+
+
+_Row = tuple[uuid.UUID, uuid.UUID, str, datetime]
+
+
+def _trigger_rows(params: dict[str, Any]) -> tuple[list[_Row], bool]:
+    """(rows, whether this call created any run)."""
+    with connection.cursor() as cursor:
+        cursor.execute(sqlfiles.query("trigger"), params)
+        got = cursor.fetchall()
+    return [(r[0], r[1], r[2], r[3]) for r in got], any(r[4] for r in got)
+
+
+def _trigger_and_notify(params: dict[str, Any]) -> tuple[list[_Row], bool]:
+    """The runs, their commit and their wake-ups in one round trip; (rows, woken).
+
+    If the call fails, either it failed before its commit (nothing was created) or only
+    its wake-ups did (the runs are committed). Asking again with the same ids tells
+    which and creates nothing twice: an error again is the trigger's own and is raised;
+    otherwise the caller gets the runs and sends their wake-ups as a statement of its own
+    (which, failing again, is left to polling and logged)."""
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sqlfiles.query("trigger_notify"), {**params, "channel": conf.channel()})
+            got, bindings, statuses, created_at, _created = cursor.fetchone()
+        return list(zip(got, bindings, statuses, created_at, strict=True)), True
+    except DatabaseError as exc:
+        rows, created_now = _trigger_rows(params)
+        log.info(
+            "trigger call failed (%s) %s; its wake-ups follow separately",
+            type(exc).__name__,
+            "before its commit and was asked again" if created_now else "after its commit",
+        )
+        return rows, False
 
 
 def notify_many(run_ids: Sequence[uuid.UUID]) -> None:

@@ -48,18 +48,85 @@ def test_trigger__creates_run_and_attempt_one_and_notifies_only_the_run_id():
     assert a.available_at == a.created_at
 
 
-def test_trigger__is_one_statement_then_the_wakeup() -> None:
+def test_trigger__is_one_round_trip_with_its_wakeup() -> None:
     binding = BindingFactory()
     with listener() as conn:
         with CaptureQueriesContext(connection) as ctx:
             run = services.trigger(binding)
         assert received(conn) == [str(run.id)]
-    # The run and its attempt in one round trip (a function), then the NOTIFY after it
-    # committed; no binding fetch, no BEGIN/COMMIT of their own.
+    # The run, its attempt, the commit and then the NOTIFY in one statement (a procedure
+    # that commits before it notifies); no binding fetch, no BEGIN/COMMIT of their own.
     texts = [q["sql"] for q in ctx.captured_queries]
-    assert len(texts) == 2, texts
-    assert "dispatch_trigger_v3" in texts[0] and "pg_notify" in texts[1]
+    assert len(texts) == 1, texts
+    assert "CALL dispatch_trigger_notify_v4" in texts[0]
     assert Run.objects.get(pk=run.pk).status == Status.PENDING
+
+
+def test_trigger__the_wakeup_follows_the_commit_inside_the_call() -> None:
+    # The listener hears the run id only once the run is visible to another session:
+    # the procedure commits the run before it sends the wake-up.
+    binding = BindingFactory()
+    with listener() as conn, raw_connection() as other:
+        other.autocommit = True
+        run = services.trigger(binding)
+        [note] = list(conn.notifies(timeout=2, stop_after=1))
+        row = other.execute(
+            "SELECT r.status, a.status FROM dispatch_run r JOIN dispatch_attempt a"
+            " ON a.run_id = r.id WHERE r.id = %s",
+            [note.payload],
+        ).fetchall()
+    assert note.payload == str(run.id) and row == [("PENDING", "PENDING")]
+
+
+def test_trigger_many__overlapping_keys_in_opposite_orders_do_not_deadlock() -> None:
+    # A holds k3 and waits for k2 (held by a third session); B, in its own order, would
+    # hold k1 and wait for A's k3 while A, once k2 is free, waits for B's k1: a deadlock.
+    # Inserted in one order (by key), B waits for A's k1 and then finds both runs.
+    # (The function itself: the service would ask again after a deadlock.)
+    binding = BindingFactory()
+    call = (
+        "SELECT run_id, created FROM dispatch_trigger_v4("
+        " ARRAY(SELECT gen_random_uuid() FROM unnest(%s::text[])),"
+        " array_fill(%s::uuid, ARRAY[cardinality(%s::text[])]), 'MANUAL', '', %s::text[])"
+    )
+    holder = raw_connection()
+    holder.execute(call, [["k2"], binding.pk, ["k2"], ["k2"]])
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str, keys: list[str]) -> None:
+        try:
+            with psycopg.connect(test_database_url(), autocommit=True) as conn:
+                results[name] = conn.execute(call, [keys, binding.pk, keys, keys]).fetchall()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def lock_waits() -> int:
+        with raw_connection() as probe:
+            return probe.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND query LIKE '%%dispatch_trigger_v4%%'"
+                " AND pid <> pg_backend_pid()"
+            ).fetchone()[0]
+
+    a = threading.Thread(target=run, args=("a", ["k3", "k2", "k1"]))
+    a.start()
+    wait_until(lambda: lock_waits() == 1, message="A waiting for k2")
+    b = threading.Thread(target=run, args=("b", ["k1", "k3"]))
+    b.start()
+    wait_until(lambda: lock_waits() == 2, message="B waiting too")
+    holder.rollback()
+    holder.close()
+    a.join(30)
+    b.join(30)
+    assert errors == []
+    assert [created for _, created in results["a"]] == [True, True, True]
+    assert [created for _, created in results["b"]] == [False, False]
+    a_ids = [run_id for run_id, _ in results["a"]]
+    assert [run_id for run_id, _ in results["b"]] == [a_ids[2], a_ids[0]]  # k1, k3
+    keys = dict(Run.objects.filter(id__in=a_ids).values_list("id", "idempotency_key"))
+    assert [keys[i] for i in a_ids] == ["k3", "k2", "k1"]  # in the order given
+    assert Run.objects.count() == 3 and Attempt.objects.count() == 3
 
 
 def test_trigger_many__creates_every_run_in_one_statement_and_wakes_each_once() -> None:
@@ -70,7 +137,7 @@ def test_trigger_many__creates_every_run_in_one_statement_and_wakes_each_once() 
         with CaptureQueriesContext(connection) as ctx:
             runs = services.trigger_many(chosen, idempotency_keys=keys, trigger=Trigger.API)
         got = received(conn)
-    assert len(ctx.captured_queries) == 2  # the runs, then every wake-up in one statement
+    assert len(ctx.captured_queries) == 1  # the runs and every wake-up in one statement
     assert sorted(got) == sorted(str(r.id) for r in runs)
     assert [r.binding_id for r in runs] == [b.pk for b in chosen]
     assert Attempt.objects.filter(run__in=[r.id for r in runs], number=1).count() == 20
@@ -120,7 +187,14 @@ def test_trigger__a_failing_wakeup_never_fails_the_trigger(caplog):
     # pg_notify refuses an empty channel name: the wake-up fails after the commit.
     run = trigger(BindingFactory())
     assert Run.objects.filter(pk=run.pk, status=Status.PENDING).exists()
-    assert "wake-up for run=" in caplog.text
+    assert Run.objects.count() == 1 and Attempt.objects.count() == 1  # not created twice
+    assert "failed (DataError) after its commit" in caplog.text
+    assert f"wake-up for run={run.pk} not sent" in caplog.text
+    # Inside a transaction the wake-up is its own statement after the commit.
+    with transaction.atomic():
+        later = trigger(BindingFactory())
+    assert Run.objects.filter(pk=later.pk).exists()
+    assert f"wake-up for run={later.pk} not sent" in caplog.text
 
 
 def test_trigger__idempotency_key_returns_the_existing_run():

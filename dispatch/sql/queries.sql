@@ -66,10 +66,19 @@ SELECT EXTRACT(EPOCH FROM (min(available_at) - (SELECT clock_timestamp())))::flo
  WHERE status = 'PENDING' AND available_at > (SELECT clock_timestamp());
 
 -- name: trigger
--- Runs and their attempt 1 in one round trip (see dispatch_trigger_v3).
-SELECT * FROM dispatch_trigger_v3(%(bindings)s::uuid[], %(trigger)s, %(requested_by)s,
-                                  %(keys)s::text[], %(schedules)s::uuid[],
+-- Runs and their attempt 1 in one round trip (see dispatch_trigger_v4), inside the
+-- caller's transaction; the caller sends the wake-ups after it commits.
+SELECT * FROM dispatch_trigger_v4(%(ids)s::uuid[], %(bindings)s::uuid[], %(trigger)s,
+                                  %(requested_by)s, %(keys)s::text[], %(schedules)s::uuid[],
                                   %(slots)s::timestamptz[]);
+
+-- name: trigger_notify
+-- Outside any transaction: the runs, their commit, then their wake-ups in a transaction
+-- of their own, in one round trip (see dispatch_trigger_notify_v4).
+CALL dispatch_trigger_notify_v4(%(channel)s, %(ids)s::uuid[], %(bindings)s::uuid[],
+                                %(trigger)s, %(requested_by)s, %(keys)s::text[],
+                                %(schedules)s::uuid[], %(slots)s::timestamptz[],
+                                NULL, NULL, NULL, NULL, NULL);
 
 -- name: notify
 -- The wake-up, as its own autocommit transaction after the trigger committed: a full
