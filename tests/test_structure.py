@@ -34,9 +34,11 @@ def test_every_named_statement_is_valid_sql_against_the_schema():
                 # A procedure cannot be EXPLAINed. Called here inside the test's
                 # transaction, it runs (name and argument types resolved, its first part
                 # executed) up to its COMMIT, which PostgreSQL refuses inside a block.
-                with pytest.raises(InternalError, match="invalid transaction termination"):
-                    with transaction.atomic():
-                        cursor.execute(statement)
+                with (
+                    pytest.raises(InternalError, match="invalid transaction termination"),
+                    transaction.atomic(),
+                ):
+                    cursor.execute(statement)
                 continue
             cursor.execute(f"EXPLAIN {statement}")
     with pytest.raises(KeyError, match="no statement named"):
