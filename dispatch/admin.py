@@ -53,12 +53,14 @@ from dispatch.admin_views import (
     run_action,
     status_badge,
 )
+from dispatch.connectors import incremental
 from dispatch.connectors.base import ConnectorError
 from dispatch.console_scale import CappedPaginator
 from dispatch.forms import DatasourceForm, config_field_names
 from dispatch.models import (
     SECRET_MASK,
     Attempt,
+    BindingCursor,
     Datasource,
     Job,
     JobBinding,
@@ -144,6 +146,54 @@ def _test_connection(request: HttpRequest, datasource: Datasource) -> ActionResu
     return ActionResult("CONNECTION_OK")
 
 
+def _reset_cursor(request: HttpRequest, binding: JobBinding) -> ActionResult:
+    was = getattr(getattr(binding, "cursor_copy", None), "cursor", None)
+    services.set_binding_cursor(binding, None, by=request.user)
+    return ActionResult("CURSOR_RESET", detail=f"was {json.dumps(was)}")
+
+
+def _set_cursor(request: HttpRequest, binding: JobBinding) -> ActionResult:
+    raw = request.POST.get("value", "")
+    try:
+        cursor = json.loads(raw)
+    except ValueError:
+        raise ActionRefused(
+            "BAD_CURSOR", 'the cursor must be a JSON list of strings, e.g. ["2024-01-01", "42"]'
+        ) from None
+    was = getattr(getattr(binding, "cursor_copy", None), "cursor", None)
+    services.set_binding_cursor(binding, cursor, by=request.user)
+    return ActionResult("CURSOR_SET", detail=f"to {json.dumps(cursor)}, was {json.dumps(was)}")
+
+
+def _incremental(binding: JobBinding) -> bool:
+    try:
+        return incremental.parse(binding.job.source_spec) is not None
+    except Exception:  # noqa: BLE001 - an invalid stored spec: no cursor actions
+        return False
+
+
+RESET_CURSOR = ActionSpec(
+    "reset_cursor",
+    "Reset cursor",
+    "dispatch.reset_cursor_binding",
+    True,
+    _reset_cursor,
+    "Forget the incremental cursor committed in the sink: the next run reads the whole "
+    "source (from the spec's start, if it has one). A run in progress cannot commit over "
+    "the reset; its retry starts again.",
+    applies=_incremental,
+)
+SET_CURSOR = ActionSpec(
+    "set_cursor",
+    "Set cursor",
+    "dispatch.set_cursor_binding",
+    True,
+    _set_cursor,
+    "Set the incremental cursor committed in the sink: the next run reads the rows whose "
+    "cursor is above it (a backfill from that point).",
+    applies=_incremental,
+    input_label="New cursor, a JSON list with one string per cursor column",
+)
 TRIGGER = ActionSpec(
     "trigger_binding",
     "Trigger now",
@@ -545,14 +595,16 @@ class JobBindingAdmin(ConsoleAdmin):
     search_fields = ["name", "job__name", "source__name", "sink__name"]
     list_select_related = ["job", "source", "sink"]
     ordering = ["name"]
-    readonly_fields = ["created_at"]
+    readonly_fields = ["created_at", "incremental_cursor"]
     actions = [
         changelist_action(TRIGGER, "trigger"),
         changelist_action(_enable_spec("jobbinding", True), "change"),
         changelist_action(_enable_spec("jobbinding", False), "change"),
+        changelist_action(RESET_CURSOR, "reset_cursor"),
     ]
-    object_actions = (TRIGGER,)
+    object_actions = (TRIGGER, RESET_CURSOR, SET_CURSOR)
     has_trigger_permission = _perm("trigger_binding")
+    has_reset_cursor_permission = _perm("reset_cursor_binding")
 
     def get_form(
         self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
@@ -576,6 +628,36 @@ class JobBindingAdmin(ConsoleAdmin):
                     "run__binding", run__binding=OuterRef("pk"), status=Status.RUNNING
                 ),
             )
+        )
+
+    @admin.display(description="incremental cursor")
+    def incremental_cursor(self, obj: JobBinding) -> SafeString:
+        """The console's copy of the cursor committed in the sink (the sink's row is the
+        truth), when it moved and by which run or operator."""
+        if not _incremental(obj):
+            return format_html("<em>{}</em>", "not incremental (reads the whole source)")
+        copy = BindingCursor.objects.filter(binding=obj).first()
+        if copy is None or copy.cursor is None:
+            state = "none committed: the next run reads the whole source"
+            if copy is None:
+                return format_html("<em>{}</em>", state)
+            return format_html(
+                "<em>{}</em> (reset by {} at {}, version {})",
+                state,
+                copy.changed_by or "operator",
+                copy.recorded_at,
+                copy.version,
+            )
+        by: Any = copy.changed_by or "operator"
+        if copy.run_id is not None:
+            by = _link(self, "admin:dispatch_run_change", copy.run_id, f"run {copy.run_id}")
+        return format_html(
+            "<code>({})</code> = <code>{}</code><br>moved at {} by {} (version {})",
+            ", ".join(copy.columns or []),
+            json.dumps(copy.cursor),
+            copy.committed_at or copy.recorded_at,
+            by,
+            copy.version,
         )
 
     @admin.display(description="running", ordering="running")

@@ -115,6 +115,8 @@ OUTCOME_TEXT: dict[str, str] = {
     "ENABLED": "enabled",
     "DISABLED": "disabled",
     "CONNECTION_OK": "connection OK",
+    "CURSOR_RESET": "cursor reset (the next run reads the whole source)",
+    "CURSOR_SET": "cursor set (the next run reads the rows above it)",
 }
 
 
@@ -199,6 +201,8 @@ class ActionSpec:
     call: Callable[[HttpRequest, Any], ActionResult]  # raises ActionRefused to refuse
     describe: str = ""  # one line on the confirmation page
     applies: Callable[[Any], bool] = lambda obj: True  # show the object button?
+    # A value the confirmation page asks for (posted as `value`; `call` reads it).
+    input_label: str = ""
 
 
 @dataclass

@@ -300,7 +300,11 @@ class JobBinding(models.Model):
     class Meta:
         ordering = ["name"]
         verbose_name = "binding"
-        permissions = [("trigger_binding", "Can trigger a run of a binding")]
+        permissions = [
+            ("trigger_binding", "Can trigger a run of a binding"),
+            ("reset_cursor_binding", "Can reset a binding's incremental cursor"),
+            ("set_cursor_binding", "Can set a binding's incremental cursor"),
+        ]
         constraints = [
             models.CheckConstraint(
                 condition=Q(max_concurrency__gte=1), name="dispatch_binding_concurrency_min"
@@ -486,6 +490,11 @@ class Attempt(models.Model):
     error = models.TextField(blank=True, default="")
     rows_read = models.BigIntegerField(default=0)
     rows_written = models.BigIntegerField(default=0)
+    # An incremental read (dispatch/connectors/incremental.py): the cursor the attempt
+    # started from (the sink's committed one, else the spec's start; null: the whole
+    # source) and the one it commits with its rows (the highest in its snapshot).
+    cursor_from = models.JSONField(null=True, blank=True, editable=False)
+    cursor_to = models.JSONField(null=True, blank=True, editable=False)
 
     objects = AttemptQuerySet.as_manager()
 
@@ -568,6 +577,34 @@ class Attempt(models.Model):
 
     def __str__(self) -> str:
         return f"attempt {self.number} of run {self.run_id}"
+
+
+class BindingCursor(models.Model):
+    """The console's copy of a binding's committed incremental cursor.
+
+    The sink holds the truth (`dispatch_cursor`, committed with the rows); this copy is
+    written after each incremental attempt read or moved it and after an operator's reset
+    or set, and only ever forward (by the sink's version). Nothing reads it to decide what
+    to copy."""
+
+    binding = models.OneToOneField(
+        JobBinding, on_delete=models.CASCADE, primary_key=True, related_name="cursor_copy"
+    )
+    columns = models.JSONField(null=True, blank=True)
+    cursor = models.JSONField(null=True, blank=True)
+    version = models.BigIntegerField(default=0)
+    # Not foreign keys: retention may prune the run; the copy keeps naming it.
+    run_id = models.UUIDField(null=True, blank=True)
+    attempt_id = models.UUIDField(null=True, blank=True)
+    changed_by = models.CharField(max_length=200, blank=True, default="")
+    committed_at = models.DateTimeField(null=True, blank=True)
+    recorded_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        verbose_name = "binding cursor"
+
+    def __str__(self) -> str:
+        return f"cursor of {self.binding_id} at version {self.version}"
 
 
 class Worker(models.Model):

@@ -383,6 +383,8 @@ class Runner:
                 sink.open_writer(sink_config, c.sink_spec, ctx, reader.columns) as writer,  # type: ignore[arg-type]
             ):
                 self.cursor = incremental.prepare(reader, writer)
+                if self.cursor is not None:
+                    self._record_cursor(self.cursor)
                 self._transfer(ctx, reader, writer)
                 # A run whose data is already committed succeeds whatever else is asked;
                 # otherwise a stop requested meanwhile wins over committing now.
@@ -408,9 +410,35 @@ class Runner:
             self._log("attempt error %s", type(exc).__name__, level=logging.WARNING)
             return self.settle("ERROR", Reason.ERROR, f"{type(exc).__name__}: {exc}")
         self.control.rows_written = max(self.control.rows_written, result.rows_written)
+        committed = getattr(writer, "cursor_committed", None)
+        if committed is not None:
+            self._copy_cursor(committed)
         return self.settle(
             "SUCCEEDED", Reason.ALREADY_COMMITTED if result.already_committed else None
         )
+
+    def _record_cursor(self, prepared: incremental.Prepared) -> None:
+        """The attempt's cursors on its row, and the sink's committed cursor as this
+        attempt found it into the console's copy. Neither decides anything (the sink's
+        own row does), so a failure here is logged and the transfer goes on."""
+        c = self.claimed
+        end = prepared.bounds.cursor if prepared.bounds is not None else prepared.start
+        try:
+            claims.record_cursor(c.attempt_id, c.lease_token, prepared.start, end)
+            if prepared.committed.version > 0:
+                self._copy_cursor(prepared.committed)
+        except (DjangoDBError, psycopg.Error) as exc:
+            self._log("cursor not recorded: %s", type(exc).__name__, level=logging.WARNING)
+
+    def _copy_cursor(self, committed: incremental.CommittedCursor) -> None:
+        try:
+            claims.record_cursor_copy(
+                self.claimed.binding_id,
+                committed,
+                changed_by=f"run {committed.run_id}" if committed.run_id else "",
+            )
+        except (DjangoDBError, psycopg.Error) as exc:
+            self._log("cursor copy not recorded: %s", type(exc).__name__, level=logging.WARNING)
 
     @staticmethod
     def _transfer(ctx: Context, reader: Any, writer: Any) -> None:

@@ -381,3 +381,64 @@ def release_attempt(attempt: Attempt | uuid.UUID | str, *, by: Any = None) -> Ou
         _who(by),
     )
     return Outcome.RELEASED
+
+
+# --- incremental cursors: the operator's reset and set ------------------------------------
+def set_binding_cursor(binding: JobBinding, cursor: list[str] | None, *, by: Any = None) -> Any:
+    """Reset a binding's incremental cursor (`cursor` None: the next run reads the whole
+    source, from the spec's `start` if it has one) or set it to a point (the next run
+    reads the rows above it: a backfill from there). Written to the sink, which holds the
+    truth, in one transaction that bumps its version (an attempt running meanwhile cannot
+    commit over it: its compare-and-set fails and its retry starts from the new cursor),
+    then to the console's copy. Returns the sink's new `incremental.CommittedCursor`."""
+    from dispatch.connectors import incremental
+    from dispatch.connectors.base import ConnectorError
+    from dispatch.connectors.registry import UnknownKind, get
+
+    try:
+        inc = incremental.parse(binding.job.source_spec)
+    except Exception as exc:  # noqa: BLE001 - a stored spec that no longer validates
+        raise ActionRefused("NOT_INCREMENTAL", f"the job's source spec is invalid: {exc}") from None
+    if inc is None:
+        raise ActionRefused(
+            "NOT_INCREMENTAL", "the job reads its whole source (its source spec has no incremental)"
+        )
+    if cursor is not None and (
+        not isinstance(cursor, list)
+        or len(cursor) != len(inc.cursor)
+        or not all(isinstance(v, str) for v in cursor)
+    ):
+        raise ActionRefused(
+            "BAD_CURSOR",
+            f"the cursor is over ({', '.join(inc.cursor)}): give {len(inc.cursor)} "
+            "value(s) as a JSON list of strings",
+        )
+    try:
+        connector = get(binding.sink.kind)
+    except UnknownKind as exc:
+        raise ActionRefused("SINK_FAILED", str(exc)) from None
+    if not hasattr(connector, "set_cursor"):
+        raise ActionRefused("SINK_FAILED", f"a {binding.sink.kind} sink keeps no cursor")
+    try:
+        config = binding.sink.config
+    except Exception:  # noqa: BLE001 - no detail: it could name key material
+        raise ActionRefused(
+            "SINK_FAILED", "the sink's stored settings cannot be decrypted (unknown key?)"
+        ) from None
+    try:
+        committed = connector.set_cursor(
+            config, binding.job.sink_spec, binding.pk, inc.cursor, cursor
+        )
+    except ConnectorError as exc:
+        raise ActionRefused("SINK_FAILED", f"sink: {exc}") from None
+    from dispatch import claims
+
+    claims.record_cursor_copy(binding.pk, committed, changed_by=_who(by) or "operator")
+    log.info(
+        "binding cursor %s binding=%s version=%s by=%s",
+        "reset" if cursor is None else "set",
+        binding.name,
+        committed.version,
+        _who(by) or "operator",
+    )
+    return committed

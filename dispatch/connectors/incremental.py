@@ -335,9 +335,9 @@ def commit_cursor(
     cursor: CursorValue | None,
     run_id: uuid.UUID,
     attempt_id: uuid.UUID,
-) -> int:
+) -> CommittedCursor:
     """Inside the data transaction: move the cursor from what this attempt read (`read`)
-    to `cursor`, as a compare-and-set on `version`. Returns the new version.
+    to `cursor`, as a compare-and-set on `version`. Returns the new committed row.
 
     A concurrent run of the binding, or an operator's reset, that committed meanwhile
     leaves no row to update: the data transaction must roll back (raises TransientError,
@@ -348,7 +348,7 @@ def commit_cursor(
             sql.SQL(
                 "INSERT INTO {} (binding_id, columns, cursor, version, run_id, attempt_id,"
                 " committed_at) VALUES (%s, %s, %s, 1, %s, %s, now())"
-                " ON CONFLICT (binding_id) DO NOTHING RETURNING version"
+                " ON CONFLICT (binding_id) DO NOTHING RETURNING version, committed_at"
             ).format(table),
             [binding_id, list(columns), cursor, run_id, attempt_id],
         ).fetchone()
@@ -357,7 +357,7 @@ def commit_cursor(
             sql.SQL(
                 "UPDATE {} SET columns = %s, cursor = %s, version = version + 1, run_id = %s,"
                 " attempt_id = %s, committed_at = now() WHERE binding_id = %s AND version = %s"
-                " RETURNING version"
+                " RETURNING version, committed_at"
             ).format(table),
             [list(columns), cursor, run_id, attempt_id, binding_id, read.version],
         ).fetchone()
@@ -366,7 +366,9 @@ def commit_cursor(
             "the binding's committed cursor moved while this attempt ran (a concurrent run "
             "or an operator's reset); the retry starts from the new cursor"
         )
-    return int(row[0])
+    return CommittedCursor(
+        binding_id, tuple(columns), cursor, int(row[0]), run_id, attempt_id, row[1]
+    )
 
 
 def set_committed(

@@ -16,6 +16,7 @@ import re
 import select
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -464,6 +465,33 @@ class PostgreSQLConnector(Connector):
             yield reader
         finally:
             reader.close()
+
+    @classmethod
+    def set_cursor(
+        cls,
+        config: dict[str, Any],
+        spec: dict[str, Any],
+        binding_id: uuid.UUID,
+        columns: tuple[str, ...],
+        cursor: list[str] | None,
+    ) -> incremental.CommittedCursor:
+        """An operator's reset (None) or set of a binding's committed cursor, in the sink
+        database beside the fence (`incremental.set_committed`)."""
+        secrets = _secrets(config)
+        conn = connect(config, what="sink connect")
+        try:
+            with _errors(secrets, "sink cursor"):
+                _set_timeouts(conn, spec)
+                schema, _name = parse_table(spec["table"])
+                if not schema:
+                    row = conn.execute("SELECT pg_catalog.current_schema()").fetchone()
+                    schema = row[0] if row else "public"
+                conn.commit()
+                return incremental.set_committed(
+                    conn, schema, binding_id, columns=columns, cursor=cursor
+                )
+        finally:
+            conn.close()
 
     @classmethod
     @contextlib.contextmanager
@@ -934,6 +962,8 @@ class _Writer:
         # Incremental reads: the committed cursor this attempt read, and the one to commit.
         self._cursor_read: incremental.CommittedCursor | None = None
         self._cursor_new: tuple[tuple[str, ...], list[str] | None] | None = None
+        # After commit(): the cursor it committed (for the dispatch database's copy).
+        self.cursor_committed: incremental.CommittedCursor | None = None
 
     # -- set-up --------------------------------------------------------------------------
     def open(self) -> None:
@@ -1221,7 +1251,7 @@ class _Writer:
                 self._merge()
             if self._cursor_new is not None and self._cursor_read is not None:
                 try:
-                    incremental.commit_cursor(
+                    self.cursor_committed = incremental.commit_cursor(
                         conn,
                         self.schema,
                         binding_id=fence.binding_id,

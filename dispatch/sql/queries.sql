@@ -104,3 +104,25 @@ ON CONFLICT (id) DO UPDATE
 UPDATE dispatch_worker SET stopped_at = clock_timestamp(), heartbeat_at = clock_timestamp(),
        stats = %(stats)s::jsonb
  WHERE id = %(id)s;
+
+-- name: record_cursor
+-- An incremental attempt's cursors, once its read is bounded: where it starts (the sink's
+-- committed cursor, else the spec's start) and what it commits with its rows. Guarded by
+-- status and token, like a settlement.
+UPDATE dispatch_attempt
+   SET cursor_from = %(cursor_from)s::jsonb, cursor_to = %(cursor_to)s::jsonb
+ WHERE id = %(attempt)s AND lease_token = %(token)s AND status = 'RUNNING';
+
+-- name: record_cursor_copy
+-- The console's copy of a binding's committed cursor, moved only forward (by the sink's
+-- version): a late writer with an older version changes nothing.
+INSERT INTO dispatch_bindingcursor AS c (binding_id, columns, cursor, version, run_id,
+                                         attempt_id, changed_by, committed_at, recorded_at)
+VALUES (%(binding)s, %(columns)s::jsonb, %(cursor)s::jsonb, %(version)s, %(run)s,
+        %(attempt)s, %(changed_by)s, %(committed_at)s, now())
+ON CONFLICT (binding_id) DO UPDATE
+   SET columns = EXCLUDED.columns, cursor = EXCLUDED.cursor, version = EXCLUDED.version,
+       run_id = EXCLUDED.run_id, attempt_id = EXCLUDED.attempt_id,
+       changed_by = EXCLUDED.changed_by, committed_at = EXCLUDED.committed_at,
+       recorded_at = now()
+ WHERE c.version < EXCLUDED.version;
