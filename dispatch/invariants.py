@@ -13,7 +13,7 @@ import contextlib
 import json
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -119,6 +119,8 @@ class Report:
     violations: list[Violation] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)
+    # The incremental bindings checked (dispatch.invariants_incremental.IncrementalSink).
+    incremental: list[Any] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -420,6 +422,8 @@ class SinkTable:
     source_values: Counter[str] | None = None
     sink_values: Counter[str] | None = None
     error: str | None = None
+    # Every binding writing here reads incrementally: `check_incremental` compares it.
+    incremental: bool = False
 
     @property
     def name(self) -> str:
@@ -493,6 +497,7 @@ def load_sinks(state: State, *, values: bool = False) -> list[SinkTable]:
             datasource_id, schema or "", name, str(bindings[0].sink_spec.get("mode", "append"))
         )
         sink.binding_ids = {b.id for b in bindings}
+        sink.incremental = all(isinstance(b.source_spec.get("incremental"), dict) for b in bindings)
         sizes = {
             b.source_spec.get("rows") if b.source_kind == "generate" else None for b in bindings
         }
@@ -796,11 +801,28 @@ def check_sink_values(state: State, sinks: list[SinkTable]) -> list[Violation]:
     return found
 
 
+def check_incremental(items: list[Any]) -> list[Violation]:
+    """Each incremental binding's cursor chain and rows (dispatch.invariants_incremental):
+    append holds every row version a committed snapshot held exactly once and nothing
+    else; upsert equals the source at the committed cursor."""
+    found = []
+    for item in items:
+        if item.error:
+            found.append(Violation("incremental", item.subject, f"unreadable: {item.error}"))
+        found.extend(Violation("incremental", item.subject, f) for f in item.findings)
+    return found
+
+
 def notes_for(state: State, sinks: list[SinkTable]) -> list[str]:
     """Facts worth reading that are not violations."""
     notes = []
     for sink in sinks:
-        if sink.rows_per_run is None and sink.source_values is None and not sink.error:
+        if (
+            sink.rows_per_run is None
+            and sink.source_values is None
+            and not sink.error
+            and not sink.incremental
+        ):
             notes.append(f"{sink.name}: rows not counted (the source is not a generate source)")
         for run in state.runs.values():
             fence = sink.fences.get(run.id)
@@ -824,10 +846,14 @@ def check(
     sinks: bool = True,
     schedules: bool = True,
     values: bool = False,
+    history: Mapping[str, str] | None = None,
 ) -> Report:
     """Run every check over the scope; the report lists violations and counts. With
     `values`, sinks fed by a PostgreSQL table are compared with it value by value (the
-    source tables must not change meanwhile)."""
+    source tables must not change meanwhile). `history` maps an incremental binding's
+    source table to the relation holding its every version (invariants_incremental)."""
+    from dispatch import invariants_incremental
+
     state = load(scope)
     report = Report()
     for check_fn in RUN_CHECKS:
@@ -836,6 +862,10 @@ def check(
     report.violations.extend(check_sink_fences(state, sink_tables))
     report.violations.extend(check_sink_rows(state, sink_tables))
     report.violations.extend(check_sink_values(state, sink_tables))
+    incremental = invariants_incremental.load(state, history) if sinks else []
+    report.violations.extend(check_incremental(incremental))
+    report.notes.extend(n for item in incremental for n in item.notes)
+    report.incremental = incremental
     schedule_rows = load_schedules(state) if schedules else []
     report.violations.extend(check_schedule_slots(state, schedule_rows))
     report.notes.extend(notes_for(state, sink_tables))
@@ -843,6 +873,7 @@ def check(
         runs=len(state.runs),
         attempts=sum(len(a) for a in state.attempts.values()),
         sink_tables=len(sink_tables),
+        incremental_bindings=len(incremental),
         schedules=len(schedule_rows),
         **Counter(r.status.lower() for r in state.runs.values()),
     )

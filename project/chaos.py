@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -97,6 +98,49 @@ STALL_SECONDS = LEASE_SECONDS * 2
 SINK_PARTITION_SECONDS = PARTITION_SECONDS
 SINK = "sink"  # the proxy slot of the PostgreSQL sink's connections
 PROBE_SECONDS = 2
+# The incremental bindings' source: a table that keeps receiving inserts and updates
+# during the campaign, one version per transaction from one writer (so the versions become
+# visible in cursor order), every version also kept in a history table by a trigger in
+# the writer's own transaction, for the checker (dispatch.invariants_incremental).
+INCREMENTAL_TABLE = "public.events"
+INCREMENTAL_SOURCE = """
+CREATE TABLE public.events (
+    id bigserial PRIMARY KEY,
+    updated_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    version integer NOT NULL DEFAULT 1,
+    payload text
+);
+CREATE INDEX events_cursor ON public.events (updated_at, id);
+CREATE TABLE public.events_history (LIKE public.events);
+CREATE FUNCTION public.events_keep_version() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO public.events_history SELECT NEW.*;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER events_keep_version AFTER INSERT OR UPDATE ON public.events
+    FOR EACH ROW EXECUTE FUNCTION public.events_keep_version();
+"""
+INCREMENTAL_CURSOR = {"cursor": ["updated_at", "id"]}
+MUTATIONS_PER_SECOND = 8.0
+
+
+def mutate_source(conn: psycopg.Connection[Any], kind: str, row: int | None = None) -> int:
+    """One change of the incremental source, in a transaction of its own (`conn` is in
+    autocommit): a new row (its id is returned), or a new version of row `row` (its cursor
+    moves past every earlier version's; 0 when there is no such row: ids have gaps where an
+    insert rolled back or the server restarted)."""
+    if kind == "insert":
+        return int(
+            conn.execute(
+                "INSERT INTO public.events (payload) VALUES (md5(random()::text)) RETURNING id"
+            ).fetchone()[0]  # type: ignore[index]
+        )
+    updated = conn.execute(
+        "UPDATE public.events SET version = version + 1, updated_at = clock_timestamp(),"
+        " payload = md5(random()::text) WHERE id = %s",
+        [row],
+    ).rowcount
+    return int(row or 0) if updated else 0
 
 
 @dataclass
@@ -150,6 +194,13 @@ class Summary:
     sink_dropped_bytes: int = 0
     postgresql_sink: bool = False
     schedules: int = 0
+    # The incremental source: committed changes (inserts, updates), and the catch-up
+    # runs after the faults (one per incremental binding, until one succeeds).
+    source_inserts: int = 0
+    source_updates: int = 0
+    source_write_retries: int = 0
+    catch_up_runs: int = 0
+    incremental: dict[str, Any] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -189,6 +240,10 @@ class Summary:
             f"{self.faults.get('stall', 0)} ({self.stall_held_bytes} bytes delivered late); "
             f"sink partitions: {self.faults.get('sink_partition', 0)} "
             f"({self.sink_dropped_bytes} bytes swallowed)",
+            f"  incremental source: {self.source_inserts} inserts and {self.source_updates} "
+            f"updates during the campaign ({self.source_write_retries} retried); "
+            f"{self.catch_up_runs} catch-up run(s) after it",
+            *(f"    {name}: {figures}" for name, figures in sorted(self.incremental.items())),
             f"  harness database retries: {self.harness_db_retries}",
             f"  unexpected process exits: {len(self.unexpected_exits)}",
         ]
@@ -226,6 +281,9 @@ class Campaign:
         # a proxy of its own, which the `partition` fault turns into a black hole.
         self.proxies: dict[str, BlackholeProxy] = {}
         self.partitioned_until: dict[str, float] = {}
+        self.incremental_bindings: list[JobBinding] = []
+        self.writer_stop = threading.Event()
+        self.writer: threading.Thread | None = None
 
     # --- set-up -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -246,6 +304,9 @@ class Campaign:
         with psycopg.connect(self.server.url(SOURCE_DATABASE), autocommit=True) as c:
             c.execute(TYPES.format(table="source"))
             c.execute(ROWS)
+            c.execute(INCREMENTAL_SOURCE)
+            for _ in range(50):
+                mutate_source(c, "insert")
         with psycopg.connect(self.server.url(SINK_DATABASE), autocommit=True) as c:
             c.execute(TYPES.format(table="chaos_types_definition"))
         db = connection.settings_dict
@@ -362,6 +423,29 @@ class Campaign:
                         concurrency=2 if mode == "append" else 1,
                     )
                 )
+            # Incremental reads of a table that changes all campaign long, into an append
+            # and an upsert sink (both may run twice at once: the second commit over a
+            # moved cursor must fail and retry from the new one).
+            for mode in ("append", "upsert"):
+                sink_spec: dict[str, Any] = {
+                    "table": f"public.chaos_inc_{mode}",
+                    "mode": mode,
+                    "create": True,
+                }
+                if mode == "upsert":
+                    sink_spec["key"] = ["id"]
+                b = binding(
+                    f"chaos-inc-{mode}",
+                    job(
+                        f"chaos-inc-{mode}",
+                        {"table": INCREMENTAL_TABLE, "incremental": INCREMENTAL_CURSOR},
+                        sink_spec,
+                    ),
+                    sink,
+                    source_ds=typed_source,
+                )
+                self.bindings.append(b)
+                self.incremental_bindings.append(b)
             # One batch, then two seconds before the commit: a worker stopped in that
             # window wakes up with its data written and only the commit left, which is
             # where the sink fence (not the heartbeat) has to refuse it.
@@ -804,6 +888,9 @@ class Campaign:
         self.out(f"fault plan (seed {self.o.seed}): {len(plan)} faults over {self.o.duration:.0f}s")
         started = time.monotonic()
         self.fault_start = self._db_now()
+        if self.incremental_bindings:
+            self.writer = threading.Thread(target=self._write_source, name="chaos-source")
+            self.writer.start()
         next_trigger = started
         while (elapsed := time.monotonic() - started) < self.o.duration:
             if time.monotonic() >= next_trigger:
@@ -825,8 +912,74 @@ class Campaign:
             self._heal()
             self._watch_processes()
             time.sleep(0.02)
+        self.writer_stop.set()
+        if self.writer is not None:
+            self.writer.join(30)
         self.fault_end = self._db_now()
         self.summary.trigger_rate = self.triggers / self.o.duration
+
+    def _write_source(self) -> None:
+        """The incremental source's one writer: inserts and updates (mostly of recent rows,
+        so a row often changes again before a run reads it), one per transaction, until
+        the faults stop. It reconnects across restarts and killed connections; a change
+        whose commit it did not see is simply not counted (the history has it or not)."""
+        rng = random.Random(self.o.seed * 7919 + 1)  # not the fault plan's generator
+        s = self.summary
+        last_id = 50
+        conn: psycopg.Connection[Any] | None = None
+        while not self.writer_stop.wait(rng.expovariate(MUTATIONS_PER_SECOND)):
+            kind = "insert" if rng.random() < 0.4 else "update"
+            row = rng.randint(max(1, last_id - 60), last_id)
+            try:
+                if conn is None or conn.closed:
+                    conn = psycopg.connect(
+                        self.server.url(SOURCE_DATABASE), autocommit=True, connect_timeout=2
+                    )
+                done = mutate_source(conn, kind, row)
+            except psycopg.Error:
+                s.source_write_retries += 1
+                if conn is not None:
+                    conn.close()
+                conn = None
+                self.writer_stop.wait(0.2)
+                continue
+            if kind == "insert":
+                s.source_inserts += 1
+                last_id = max(last_id, done)
+            elif done:
+                s.source_updates += 1
+        if conn is not None:
+            conn.close()
+
+    def _catch_up(self) -> None:
+        """With the source still, one more run per incremental binding (again until one
+        succeeds): its commit puts the sink's cursor at the source's last version, where
+        the checker compares the whole table."""
+        for b in self.incremental_bindings:
+            for i in range(5):
+                key = f"{self.tag}-catch-up-{b.name}-{i}"
+                run = self.db(
+                    partial(
+                        services.trigger,
+                        b,
+                        trigger="API",
+                        idempotency_key=key,
+                        requested_by=self.tag,
+                    )
+                )
+                self.run_ids.add(run.id)
+                self.summary.catch_up_runs += 1
+                deadline = time.monotonic() + 60
+                status = None
+                while time.monotonic() < deadline:
+                    status = self.db(
+                        partial(Run.objects.values_list("status", flat=True).get, pk=run.pk)
+                    )
+                    if status in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED):
+                        break
+                    time.sleep(0.1)
+                if status == Status.SUCCEEDED:
+                    break
 
     def _quiesce(self) -> None:
         """Faults off: resume, re-enable, stop the reconcilers (their slots are judged up
@@ -850,6 +1003,7 @@ class Campaign:
                 break
             time.sleep(0.2)
         self.summary.quiesce_seconds = time.monotonic() - started
+        self._catch_up()
 
     def _scope_filter(self) -> Any:
         from django.db.models import Q
@@ -947,8 +1101,24 @@ class Campaign:
                     schedule_ids=frozenset(self.schedule_ids),
                 ),
                 values=True,
+                history={INCREMENTAL_TABLE: "public.events_history"},
             )
         )
+        for item in report.incremental:
+            b = next(b for b in self.incremental_bindings if b.pk == item.binding_id)
+            unsucceeded = (
+                Attempt.objects.filter(run__binding=b)
+                .exclude(status=Status.SUCCEEDED)
+                .values_list("reason")
+                .annotate(n=Count("id"))
+            )
+            reasons: dict[str, int] = dict(self.db(partial(list, unsucceeded)))
+            s.incremental[b.name] = (
+                f"{item.versions} source versions, {item.sink_rows} sink rows, "
+                f"{item.committed_attempts} committed attempts ({item.recorded} with their "
+                f"cursors recorded, rows checked at {item.snapshots} committed snapshots), "
+                f"attempts that did not succeed by reason {dict(sorted(reasons.items()))}"
+            )
         s.violations = [str(v) for v in report.violations]
         stale = self.stale_sink_commits()
         s.stale_commits_accepted = len(stale)

@@ -71,3 +71,7 @@ def test_chaos__short_campaign_reports_no_violation() -> None:
     assert not missing, f"faults never injected: {missing}\n{output[-3000:]}"
     assert summary["runs_created"] > 20
     assert "unexpected process exits: 0" in output, output[-6000:]
+    # The incremental bindings ran over a source that changed meanwhile, and were checked.
+    assert sorted(summary["incremental"]) == ["chaos-inc-append", "chaos-inc-upsert"]
+    assert summary["source_inserts"] > 0 and summary["source_updates"] > 0
+    assert "incremental_bindings=2" in summary["invariants"]

@@ -189,6 +189,8 @@ def test_command__bad_run_id_file(tmp_path: Path) -> None:
         call_command("check_invariants", "--run-ids", str(ids))
     with pytest.raises(CommandError, match="cannot read --run-ids"):
         call_command("check_invariants", "--run-ids", str(tmp_path / "missing.txt"))
+    with pytest.raises(CommandError, match="--history 'public.events': expected SOURCE=HISTORY"):
+        call_command("check_invariants", "--history", "public.events")
 
 
 # --- PostgreSQL sinks ---------------------------------------------------------------------
@@ -390,3 +392,132 @@ def test_check__pg_sink_values_append_holds_each_row_once_per_committed_run() ->
     report = invariants.check(scope_of(run), values=True)
     assert checks_failing(report) == {"sink_values"}
     assert "0 source row version(s) missing, 1 row(s) too many" in report.render()
+
+
+# --- incremental bindings -------------------------------------------------------------------
+@pytest.fixture
+def inc_src() -> Any:
+    from tests.test_connectors_helpers import scratch_db
+
+    yield from scratch_db("dispatch_invinc_src")
+
+
+@pytest.fixture
+def inc_dst() -> Any:
+    from tests.test_connectors_helpers import scratch_db
+
+    yield from scratch_db("dispatch_invinc_dst")
+
+
+def _inc_binding(src: Any, dst: Any, mode: str) -> Any:
+    from tests.factories import DatasourceFactory
+
+    sink_spec: dict[str, Any] = {"table": f"public.inc_{mode}", "mode": mode, "create": True}
+    if mode == "upsert":
+        sink_spec["key"] = ["id"]
+    job = JobFactory(
+        source_spec={"table": "public.events", "incremental": {"cursor": ["updated_at", "id"]}},
+        sink_spec=sink_spec,
+    )
+    return BindingFactory(
+        job=job,
+        source=DatasourceFactory(kind="postgresql", config=src.config),
+        sink=DatasourceFactory(kind="postgresql", config=dst.config),
+    )
+
+
+def _inc_run(binding: Any) -> Run:
+    """One run of `binding` through the real claim and an in-process execution."""
+    from dispatch.runner import ExecutionControl, Runner
+
+    run = trigger(binding)
+    (claimed,) = claims.claim("w-inv", run_id=run.id, limit=1, generic=False)
+    assert Runner(claimed, ExecutionControl(claimed)).execute() == Status.SUCCEEDED
+    return run
+
+
+def test_check__incremental_append_and_upsert_against_the_source_history(
+    inc_src: Any, inc_dst: Any, tmp_path: Path
+) -> None:
+    """Real runs over a source that changes between them; the checker proves the append
+    sink holds every version a committed snapshot held exactly once, and the upsert sink
+    equals the source at the committed cursor. Then one violation at a time."""
+    from project.chaos import INCREMENTAL_SOURCE, INCREMENTAL_TABLE, mutate_source
+
+    inc_src.execute(INCREMENTAL_SOURCE)
+    history = {INCREMENTAL_TABLE: f"{INCREMENTAL_TABLE}_history"}
+    append, upsert = (
+        _inc_binding(inc_src, inc_dst, "append"),
+        _inc_binding(inc_src, inc_dst, "upsert"),
+    )
+    runs = []
+
+    def change(*steps: tuple[str, int | None]) -> None:
+        from tests.test_connectors_helpers import connect
+
+        with connect(inc_src.name) as conn:
+            for kind, row in steps:
+                mutate_source(conn, kind, row)
+
+    def both() -> None:
+        runs.extend([_inc_run(append), _inc_run(upsert)])
+
+    change(*[("insert", None)] * 5)
+    both()
+    change(("update", 2), ("insert", None))
+    both()
+    # Row 3 changes twice before the next read: its middle version is in no snapshot.
+    change(("update", 3), ("update", 3), ("update", 1))
+    both()
+    scope = scope_of(*runs)
+    report = invariants.check(scope, history=history)
+    assert report.ok, report.render()
+    assert report.counts["incremental_bindings"] == 2
+    assert inc_src.execute("SELECT count(*) FROM events_history") == [(10,)]
+    assert inc_dst.execute("SELECT count(*) FROM inc_append") == [(9,)]  # all but 3's v2
+    assert invariants.check(scope).ok  # without the history: the current rows only
+    ids = tmp_path / "runs.txt"
+    ids.write_text("".join(f"{r.id}\n" for r in runs))
+    out = io.StringIO()
+    call_command(
+        "check_invariants",
+        "--run-ids",
+        str(ids),
+        "--history",
+        f"{INCREMENTAL_TABLE}=public.events_history",
+        stdout=out,
+    )
+    assert "invariants: OK" in out.getvalue() and "incremental_bindings=2" in out.getvalue()
+    for table in ("inc_append", "inc_upsert"):
+        inc_dst.execute(f"CREATE TABLE {table}_kept AS SELECT * FROM {table}")
+
+    def failing(statement: str, undo: str = "") -> str:
+        inc_dst.execute(statement)
+        found = invariants.check(scope, history=history)
+        for table in ("inc_append", "inc_upsert"):
+            inc_dst.execute(f"TRUNCATE {table}; INSERT INTO {table} SELECT * FROM {table}_kept")
+        if undo:
+            inc_dst.execute(undo)
+        assert invariants.check(scope, history=history).ok
+        assert checks_failing(found) == {"incremental"}, found.render()
+        return found.render()
+
+    # A version twice in the append sink (a batch written again).
+    text = failing("INSERT INTO inc_append SELECT * FROM inc_append WHERE id = 6")
+    assert "1 row version(s) are in the sink more than once" in text
+    # A version a committed snapshot held, lost (row 2's first version, read by run 1).
+    text = failing("DELETE FROM inc_append WHERE id = 2 AND version = 1")
+    assert "1 row version(s) a committed snapshot held" in text and "not in the sink" in text
+    # A row the source never held.
+    text = failing("UPDATE inc_append SET payload = 'forged' WHERE id = 4")
+    assert "1 sink row(s) are no version the source ever held" in text
+    # The upsert sink one version behind the source at the committed cursor.
+    text = failing("UPDATE inc_upsert SET payload = 'stale' WHERE id = 1")
+    assert "differs from the source at the committed cursor" in text
+    # The sink's cursor moved by hand past what any committed attempt ended at.
+    inc_dst.execute("CREATE TABLE cursor_kept AS SELECT * FROM dispatch_cursor")
+    text = failing(
+        "UPDATE dispatch_cursor SET cursor = ARRAY['2999-01-01 00:00:00+00', '1']",
+        "TRUNCATE dispatch_cursor; INSERT INTO dispatch_cursor SELECT * FROM cursor_kept",
+    )
+    assert "is no committed attempt's cursor_to" in text

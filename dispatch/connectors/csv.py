@@ -5,6 +5,10 @@ it are refused, and so are files with more than one hard link (a hard link insid
 base_dir may name a file outside it). `base_dir` itself must lie in one of the site's
 `DISPATCH_CSV_BASE_DIRS` (when set) and is never `/` or a system directory. A CSV file cannot take part in the sink fence, so the writer re-checks its
 attempt (`ctx.fence.check()`) immediately before it publishes the file.
+
+An incremental read appends to a CSV file with its cursor in a state file beside it
+(`dispatch/connectors/csv_state.py`): the rows and the cursor commit together, and the
+tail of a writer that died between its append and its commit is cut off by the next one.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import IO, Any
 from django.core.exceptions import ValidationError
 
 from dispatch import conf
+from dispatch.connectors import csv_state, incremental
 from dispatch.connectors.base import (
     Batch,
     Column,
@@ -288,6 +293,23 @@ class CSVConnector(Connector):
         finally:
             writer.discard()
 
+    @classmethod
+    def set_cursor(
+        cls,
+        config: dict[str, Any],
+        spec: dict[str, Any],
+        binding_id: Any,
+        columns: tuple[str, ...],
+        cursor: list[str] | None,
+    ) -> incremental.CommittedCursor:
+        """An operator's reset (None) or set of a binding's cursor, in the file's state
+        (the file's size as it is now becomes its committed size)."""
+        if spec.get("mode", "replace") != "append":
+            raise PermanentError("a CSV sink keeps a cursor in append mode only")
+        return csv_state.set_cursor(
+            resolve(config["base_dir"], spec["path"]), spec["path"], binding_id, columns, cursor
+        )
+
 
 def _single_link(fd: int, name: str) -> None:
     """Refuse an open file that has other hard links: one of them may be outside base_dir
@@ -450,6 +472,11 @@ class _Writer:
         self.header = bool(spec.get("header", True))
         self.rows = 0
         self.types = [c.type for c in columns]
+        # An incremental read's cursors: what the file's state held when the attempt
+        # started, and what commits with the rows (csv_state.commit).
+        self._cursor_read: incremental.CommittedCursor | None = None
+        self._cursor_new: tuple[tuple[str, ...], list[str] | None] | None = None
+        self.cursor_committed: incremental.CommittedCursor | None = None
         directory = os.path.dirname(path)
         if self.mode == "append" and os.path.isfile(path) and os.stat(path).st_nlink > 1:
             raise PermanentError(
@@ -468,6 +495,26 @@ class _Writer:
         self.delimiter: str = spec.get("delimiter", ",")
         if self.header and self.mode == "replace" and columns:
             self._write_header()
+
+    # -- the committed cursor of an incremental read (dispatch/connectors/incremental.py) --
+    def cursor_state(self, inc: incremental.IncrementalSpec) -> incremental.CommittedCursor:
+        """The binding's committed cursor, as the file's state holds it (the truth)."""
+        if self.mode != "append":
+            raise PermanentError(
+                "incremental reads into a CSV file need mode append: replace would keep only "
+                "the latest increment"
+            )
+        if inc.lookback_seconds is not None:
+            raise PermanentError(
+                "incremental.lookback_seconds re-reads rows, so it needs an upsert sink"
+            )
+        state = csv_state.read(self.path, self.spec["path"])
+        self._cursor_read = csv_state.cursor_of(state, self.ctx.fence.binding_id)
+        return self._cursor_read
+
+    def stage_cursor(self, columns: tuple[str, ...], cursor: list[str] | None) -> None:
+        """The cursor to commit with the rows (in the same state write as the size)."""
+        self._cursor_new = (columns, cursor)
 
     def _header_line(self) -> str:
         line = io.StringIO()
@@ -523,18 +570,38 @@ class _Writer:
         self.handle.close()
         self.handle = None
         # The last moment before the data becomes visible: a worker that lost its attempt
-        # (or missed heartbeats for longer than the lease) stops here.
-        self.ctx.fence.check()
+        # (or missed heartbeats for longer than the lease) stops at its fence check.
         if self.mode == "replace":
+            self.ctx.fence.check()
             mode = os.stat(self.path).st_mode & 0o777 if os.path.exists(self.path) else 0o644
             os.chmod(self.tmp, mode)
             os.replace(self.tmp, self.path)  # atomic on POSIX: readers see old or new
+        elif self._cursor_new is not None or os.path.lexists(csv_state.state_path(self.path)):
+            # The rows with the cursor (or, for a full read into a file that has a state,
+            # with its committed size): csv_state's protocol, under the file's lock.
+            fence = self.ctx.fence
+            columns, cursor = self._cursor_new or (None, None)
+            self.cursor_committed = csv_state.commit(
+                self.path,
+                self.spec["path"],
+                append=self._append,
+                binding_id=fence.binding_id if self._cursor_new is not None else None,
+                read_version=self._cursor_read.version if self._cursor_read else None,
+                columns=columns,
+                cursor=cursor,
+                run_id=fence.run_id,
+                attempt_id=fence.attempt_id,
+                check=fence.check,
+            )
         else:
-            self._append()
+            self.ctx.fence.check()
+            self._append(None, None)
         self._sync_dir()
         return WriteResult(rows_written=self.rows)
 
-    def _append(self) -> None:
+    def _append(self, before: int | None, intend: Any) -> int:
+        """Append the spooled rows (and the header to an empty file); with `intend`, first
+        record the size the file will have (csv_state's intent). Returns that size."""
         # O_NOFOLLOW: the target must not have become a symlink since it was resolved.
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
@@ -543,14 +610,19 @@ class _Writer:
             os.close(fd)
             raise
         with open(fd, "w", encoding="utf-8", newline="") as out:
-            if self.header and self.columns and os.fstat(fd).st_size == 0:
-                out.write(self._header_line())
+            size = os.fstat(fd).st_size
+            header = self._header_line() if self.header and self.columns and size == 0 else ""
+            total = size + len(header.encode("utf-8")) + os.path.getsize(self.tmp)
+            if intend is not None:
+                intend(total)
+            out.write(header)
             with open(self.tmp, encoding="utf-8", newline="") as spool:
                 while chunk := spool.read(1 << 20):
                     out.write(chunk)
             out.flush()
             os.fsync(out.fileno())
         os.unlink(self.tmp)
+        return total
 
     def _sync_dir(self) -> None:
         fd = os.open(os.path.dirname(self.path), os.O_RDONLY)

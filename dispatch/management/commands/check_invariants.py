@@ -26,6 +26,14 @@ class Command(BaseCommand):
             "--schedule", action="append", default=[], metavar="ID", help="a schedule id"
         )
         parser.add_argument("--no-sinks", action="store_true", help="skip the sink databases")
+        parser.add_argument(
+            "--history",
+            action="append",
+            default=[],
+            metavar="SOURCE=HISTORY",
+            help="an incremental binding's source table and the relation (in the source "
+            "database) holding its every version, e.g. public.events=public.events_history",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         run_ids: frozenset[Any] = frozenset()
@@ -44,7 +52,13 @@ class Command(BaseCommand):
         scope = invariants.Scope(
             run_ids=run_ids, requested_by=options["requested_by"], schedule_ids=schedules
         )
-        report = invariants.check(scope, sinks=not options["no_sinks"])
+        history = {}
+        for item in options["history"]:
+            source, sep, relation = item.partition("=")
+            if not sep or not source.strip() or not relation.strip():
+                raise CommandError(f"--history {item!r}: expected SOURCE=HISTORY, two table names")
+            history[source.strip()] = relation.strip()
+        report = invariants.check(scope, sinks=not options["no_sinks"], history=history)
         self.stdout.write(report.render())
         if not report.ok:
             sys.exit(1)

@@ -1,0 +1,270 @@
+"""A CSV file's committed state: its committed size and each incremental binding's cursor.
+
+An append to a CSV file cannot commit with a cursor the way a database transaction does,
+so the file gets a state file beside it (`.NAME.dispatch-state.json`, replaced atomically
+by rename) and a lock file (`.NAME.dispatch-lock`, never replaced: `flock` on a file that
+is renamed over would let two writers hold "the" lock). A commit, under the lock:
+
+1. reads the state; a binding's cursor version other than the one the attempt started
+   from means another run (or an operator) moved it: the commit is refused (transient;
+   the retry starts from the new cursor);
+2. finds the file as the state says: its size is the committed size. A larger file with
+   an *intent* recorded (step 3) is the tail of a writer that died between its append and
+   step 5, which is cut off; any other difference is a change made outside dispatch, and
+   nothing is written (permanent, until the cursor is reset or set again);
+3. records the intent (the size before and after this append) in the state;
+4. appends the spooled rows and fsyncs the file;
+5. records the new size and cursor (and no intent) in the state: this rename is the
+   commit point.
+
+So the rows and the cursor commit together: a writer that dies before step 5 leaves rows
+that the next commit cuts off, and the cursor where it was, so its successor reads those
+rows again; one that dies after step 5 has committed both. A reader of the file that must
+never see rows that may still be cut off reads up to the state's `size`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+from dispatch.connectors.base import PermanentError, TransientError
+from dispatch.connectors.incremental import CommittedCursor
+
+FORMAT = 1
+# How long a commit waits for another writer of the same file to finish its own.
+LOCK_WAIT_SECONDS = 10.0
+
+
+def state_path(path: str) -> str:
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.dispatch-state.json")
+
+
+def lock_path(path: str) -> str:
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.dispatch-lock")
+
+
+def _open_no_follow(path: str, flags: int, what: str) -> int:
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PermanentError(f"{what} is a symlink; it is not followed") from None
+        raise PermanentError(f"cannot open {what}: {exc.strerror}") from None
+    if os.fstat(fd).st_nlink > 1:
+        os.close(fd)
+        raise PermanentError(f"{what} has more than one hard link; it is not used")
+    return fd
+
+
+def read(path: str, name: str) -> dict[str, Any]:
+    """The state of the file at `path` (empty when it has none); `name` is the spec's
+    path, for messages."""
+    what = f"the state file of {name!r}"
+    try:
+        fd = _open_no_follow(state_path(path), os.O_RDONLY, what)
+    except PermanentError:
+        if not os.path.lexists(state_path(path)):
+            return {}
+        raise
+    with open(fd, encoding="utf-8") as handle:
+        try:
+            state = json.loads(handle.read(1 << 20))
+        except ValueError:
+            raise PermanentError(f"{what} is not valid JSON; reset the cursor") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise PermanentError(f"{what} is not a dispatch state of format {FORMAT}")
+    return state
+
+
+def cursor_of(state: dict[str, Any], binding_id: uuid.UUID) -> CommittedCursor:
+    entry = (state.get("cursors") or {}).get(str(binding_id))
+    if not isinstance(entry, dict):
+        return CommittedCursor(binding_id, None, None, 0)
+
+    def as_uuid(value: Any) -> uuid.UUID | None:
+        return uuid.UUID(value) if isinstance(value, str) else None
+
+    columns = entry.get("columns")
+    return CommittedCursor(
+        binding_id,
+        tuple(columns) if isinstance(columns, list) else None,
+        entry.get("cursor"),
+        int(entry.get("version", 0)),
+        as_uuid(entry.get("run_id")),
+        as_uuid(entry.get("attempt_id")),
+        entry.get("committed_at"),
+    )
+
+
+def _write(path: str, state: dict[str, Any]) -> None:
+    """Replace the state file atomically (write, fsync, rename, fsync the directory)."""
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".st")
+    try:
+        with open(fd, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps({**state, "format": FORMAT}, sort_keys=True))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, state_path(path))
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+@contextlib.contextmanager
+def locked(path: str, name: str) -> Iterator[None]:
+    """The file's commit lock (bounded wait: a writer that holds it for longer is another
+    attempt's commit, and this one is retried)."""
+    fd = _open_no_follow(lock_path(path), os.O_RDWR | os.O_CREAT, f"the lock file of {name!r}")
+    try:
+        waited_until = time.monotonic() + LOCK_WAIT_SECONDS
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= waited_until:
+                    raise TransientError(
+                        f"another commit to {name!r} held its lock for {LOCK_WAIT_SECONDS:.0f}s"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path, follow_symlinks=False).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def settle_file(path: str, name: str, state: dict[str, Any]) -> int:
+    """Under the lock: the file's committed size, after cutting off the tail of a writer
+    that died between its append and its commit. Refuses a file changed outside dispatch."""
+    committed = int(state.get("size", 0))
+    size = _size(path)
+    intent = state.get("intent")
+    if isinstance(intent, dict) and committed <= size <= int(intent.get("after", -1)):
+        if size > committed:
+            fd = _open_no_follow(path, os.O_WRONLY, repr(name))
+            try:
+                os.ftruncate(fd, committed)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return committed
+    if size != committed:
+        raise PermanentError(
+            f"{name!r} holds {size:,} bytes where its last commit left {committed:,}: it was "
+            "changed outside dispatch, so nothing is appended (reset or set the binding's "
+            "cursor to start again from the file as it is)"
+        )
+    return committed
+
+
+def commit(
+    path: str,
+    name: str,
+    *,
+    append: Any,
+    binding_id: uuid.UUID | None,
+    read_version: int | None,
+    columns: tuple[str, ...] | None,
+    cursor: list[str] | None,
+    run_id: Any,
+    attempt_id: Any,
+    check: Any,
+) -> CommittedCursor | None:
+    """Steps 1-5 of the module's doc. `append(expected_size)` appends the rows and
+    returns the new size; `check()` is the attempt's fence check, made under the lock
+    just before anything is written. Without a binding (`binding_id` None) the append
+    only keeps the recorded size true."""
+    with locked(path, name):
+        state = read(path, name)
+        state.setdefault("cursors", {})
+        if binding_id is not None:
+            current = cursor_of(state, binding_id)
+            if current.version != read_version:
+                raise TransientError(
+                    "the binding's committed cursor moved while this attempt ran (a "
+                    "concurrent run or an operator's reset); the retry starts from the new "
+                    "cursor"
+                )
+        before = settle_file(path, name, state) if state else _size(path)
+        check()
+        state["size"] = before
+        state["intent"] = {"before": before, "after": None}
+        after = append(before, lambda total: _intend(path, state, before, total))
+        state.pop("intent", None)
+        state["size"] = after
+        result = None
+        if binding_id is not None:
+            now = datetime.now(UTC).isoformat()
+            version = (read_version or 0) + 1
+            state["cursors"][str(binding_id)] = {
+                "columns": list(columns or ()),
+                "cursor": cursor,
+                "version": version,
+                "run_id": str(run_id) if run_id else None,
+                "attempt_id": str(attempt_id) if attempt_id else None,
+                "committed_at": now,
+            }
+            result = CommittedCursor(
+                binding_id, tuple(columns or ()), cursor, version, run_id, attempt_id, now
+            )
+        _write(path, state)
+        return result
+
+
+def _intend(path: str, state: dict[str, Any], before: int, after: int) -> None:
+    """Step 3: the intent, recorded before the first byte is appended."""
+    state["intent"] = {"before": before, "after": after}
+    _write(path, state)
+
+
+def set_cursor(
+    path: str,
+    name: str,
+    binding_id: uuid.UUID,
+    columns: tuple[str, ...],
+    cursor: list[str] | None,
+) -> CommittedCursor:
+    """An operator's reset (None) or set of the binding's cursor; the version moves, and
+    the file's size as it is now becomes the committed size."""
+    with locked(path, name):
+        state = read(path, name)
+        state.setdefault("cursors", {})
+        version = cursor_of(state, binding_id).version + 1
+        now = datetime.now(UTC).isoformat()
+        state["cursors"][str(binding_id)] = {
+            "columns": list(columns),
+            "cursor": cursor,
+            "version": version,
+            "run_id": None,
+            "attempt_id": None,
+            "committed_at": now,
+        }
+        state.pop("intent", None)
+        state["size"] = _size(path)
+        _write(path, state)
+    return CommittedCursor(binding_id, tuple(columns), cursor, version, None, None, now)
