@@ -595,7 +595,7 @@ class JobBindingAdmin(ConsoleAdmin):
     search_fields = ["name", "job__name", "source__name", "sink__name"]
     list_select_related = ["job", "source", "sink"]
     ordering = ["name"]
-    readonly_fields = ["created_at", "incremental_cursor"]
+    readonly_fields = ["created_at", "incremental_cursor", "health_state"]
     actions = [
         changelist_action(TRIGGER, "trigger"),
         changelist_action(_enable_spec("jobbinding", True), "change"),
@@ -658,6 +658,26 @@ class JobBindingAdmin(ConsoleAdmin):
             copy.committed_at or copy.recorded_at,
             by,
             copy.version,
+        )
+
+    @admin.display(description="health")
+    def health_state(self, obj: JobBinding) -> SafeString:
+        """The failure streak the health scan keeps (dispatch.alerts): warned or
+        auto-disabled with the reason; re-enabling clears an auto-disable."""
+        from dispatch.ops_models import BindingHealth, HealthState
+
+        h = BindingHealth.objects.filter(binding=obj).first()
+        if h is None:
+            return format_html("<em>{}</em>", "no finished run scanned yet")
+        if h.state == HealthState.OK and not h.consecutive_failures:
+            return format_html("OK (last success {})", h.last_success_at or "—")
+        return format_html(
+            "{}: {} failed run(s) in a row since {}{}{}",
+            HealthState(h.state).label,
+            h.consecutive_failures,
+            h.failing_since or "—",
+            format_html(" — {}", h.reason) if h.reason else "",
+            " (alerts muted)" if h.alerts_muted else "",
         )
 
     @admin.display(description="running", ordering="running")

@@ -26,7 +26,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from dispatch import conf, services
+from dispatch import conf, listen, services
 from dispatch.console_scale import COUNT_CAP, capped_counts
 from dispatch.models import Attempt, JobBinding, Run, Worker
 from dispatch.services import ActionRefused
@@ -443,6 +443,7 @@ def overview_context(now: datetime | None = None) -> dict[str, Any]:
                 "age": duration_text(age),
                 "dead": w.stopped_at is None and age > dead_after,
                 "dead_after": duration_text(dead_after),
+                "listen": listen.probe_report(w.stats),
             }
         )
 
@@ -467,6 +468,32 @@ def overview_context(now: datetime | None = None) -> dict[str, Any]:
         "failure_counts": sorted(failure_counts.items()),
         "failed_runs": failed_runs,
         "chart": hourly_chart(now),
+        **operations_context(since),
+    }
+
+
+def operations_context(since: datetime) -> dict[str, Any]:
+    """Warned and auto-disabled bindings, alerts of the last 24 hours by status, and the
+    retention task's last pass: three small indexed queries."""
+    from dispatch import retention
+    from dispatch.ops_models import Alert, BindingHealth, HealthState
+
+    unhealthy = list(
+        BindingHealth.objects.exclude(state=HealthState.OK)
+        .select_related("binding")
+        .order_by("-updated_at")[:50]
+    )
+    alerts = dict(
+        Alert.objects.filter(created_at__gte=since)
+        .values_list("status")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    state = retention.read_state()
+    return {
+        "unhealthy": unhealthy,
+        "alert_counts": sorted(alerts.items()),
+        "retention": {"started_at": state["started_at"], **state["data"]},
     }
 
 

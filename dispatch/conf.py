@@ -144,6 +144,76 @@ def alert_retention_days() -> float:
     return float(getattr(settings, "DISPATCH_ALERT_RETENTION_DAYS", 90.0))
 
 
+# --- operations: alerts and auto-disable (docs/operations.md) ------------------------------
+
+
+def health_interval() -> float:
+    """Seconds between health scans (alerts, auto-disable) and alert drains, across all
+    workers."""
+    return float(getattr(settings, "DISPATCH_HEALTH_INTERVAL", 60.0))
+
+
+def health_scan_lag() -> float:
+    """Seconds the health scan stays behind now: a settlement stamps `finished_at` before
+    its commit, so a run that finished just now may not be visible yet."""
+    return float(getattr(settings, "DISPATCH_HEALTH_SCAN_LAG", 5.0))
+
+
+def warn_failures() -> int:
+    """Consecutive failed runs at which a binding is warned about (0: never)."""
+    return int(getattr(settings, "DISPATCH_WARN_FAILURES", 20))
+
+
+def warn_days() -> float:
+    """Days without a successful run, while failing, at which a binding is warned about."""
+    return float(getattr(settings, "DISPATCH_WARN_DAYS", 4.0))
+
+
+def auto_disable_failures() -> int:
+    """Consecutive failed runs at which a binding is disabled (0: never)."""
+    return int(getattr(settings, "DISPATCH_AUTO_DISABLE_FAILURES", 30))
+
+
+def auto_disable_days() -> float:
+    """Days without a successful run, while failing, at which a binding is disabled."""
+    return float(getattr(settings, "DISPATCH_AUTO_DISABLE_DAYS", 7.0))
+
+
+def alert_webhook_url() -> str:
+    return str(getattr(settings, "DISPATCH_ALERT_WEBHOOK_URL", "") or "")
+
+
+def alert_webhook_secret() -> str:
+    """The HMAC key the webhook's signature is made with ("": unsigned)."""
+    return str(getattr(settings, "DISPATCH_ALERT_WEBHOOK_SECRET", "") or "")
+
+
+def alert_webhook_timeout() -> float:
+    return float(getattr(settings, "DISPATCH_ALERT_WEBHOOK_TIMEOUT", 5.0))
+
+
+def alert_notifiers() -> list[str]:
+    """The notifiers alerts go through: `email` and, when a URL is set, `webhook`."""
+    configured = getattr(settings, "DISPATCH_ALERT_NOTIFIERS", None)
+    if configured is not None:
+        return [str(n) for n in configured]
+    return ["email", *(["webhook"] if alert_webhook_url() else [])]
+
+
+def alert_rate_limit() -> int:
+    """Alerts of one binding, kind and notifier per hour; more are SUPPRESSED (0: none)."""
+    return int(getattr(settings, "DISPATCH_ALERT_RATE_LIMIT", 10))
+
+
+def alert_max_attempts() -> int:
+    return int(getattr(settings, "DISPATCH_ALERT_MAX_ATTEMPTS", 8))
+
+
+def alert_backoff() -> float:
+    """Seconds before an alert's second attempt; doubled each time, at most an hour."""
+    return float(getattr(settings, "DISPATCH_ALERT_BACKOFF", 30.0))
+
+
 def maintenance_enabled() -> bool:
     """Whether `runworker` runs the maintenance loop (retention, health scan, alerts)."""
     return bool(getattr(settings, "DISPATCH_MAINTENANCE", True))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from django.db import connection
@@ -23,35 +24,52 @@ log = logging.getLogger("dispatch.maintenance")
 
 
 def tick_seconds() -> float:
-    """How often the loop looks: a fifth of the retention interval, between 1 s and 60 s,
-    so an idle worker spends one transaction a minute here at the defaults."""
-    return min(60.0, max(1.0, conf.retention_interval() / 5))
+    """How often the loop looks at its tasks' local timers (no database work)."""
+    return 1.0
 
 
-# Tasks of one tick, in order. Each is called with no argument and gates itself.
-TASKS: list[tuple[str, Callable[[], object]]] = [
-    ("retention", retention.maybe_prune),
+def _health() -> object:
+    from dispatch import alerts
+
+    return alerts.maybe_scan_and_drain()
+
+
+# Tasks: (name, call, interval). A call gates itself across workers (a conditional update
+# on dispatch_opsstate; None: another worker ran it within its interval). Locally, a
+# worker tries a task again after half its interval when it was not its turn, and after a
+# whole interval when it ran it: about two transactions per interval and task per worker,
+# whatever the tick.
+TASKS: list[tuple[str, Callable[[], object], Callable[[], float]]] = [
+    ("retention", retention.maybe_prune, conf.retention_interval),
+    ("health", _health, conf.health_interval),
 ]
 
 
-def run_once() -> dict[str, object]:
-    """One tick: every task once. Returns what each did (None: not its turn)."""
+def run_once(now: float | None = None, due: dict[str, float] | None = None) -> dict[str, object]:
+    """One tick: every task whose local timer in `due` has come (all of them without
+    `due`). Returns what each did (None: not its turn; absent: not tried)."""
+    now = time.monotonic() if now is None else now
     done: dict[str, object] = {}
-    for name, task in TASKS:
+    for name, task, interval in TASKS:
+        if due is not None and due.get(name, 0.0) > now:
+            continue
         try:
-            done[name] = task()
+            done[name] = result = task()
         except Exception as exc:  # noqa: BLE001 - one task's failure never stops the others
             log.warning("maintenance task failed task=%s error=%s", name, exc)
-            done[name] = exc
+            done[name] = result = exc
             with contextlib.suppress(Exception):
                 connection.close()  # a broken connection is rebuilt on the next tick
+        if due is not None:
+            due[name] = now + interval() * (0.5 if result is None else 1.0)
     return done
 
 
 def run_loop(stop_event: threading.Event) -> None:
     """Entry point of the worker's maintenance thread."""
+    due: dict[str, float] = {}
     try:
         while not stop_event.wait(tick_seconds()):
-            run_once()
+            run_once(due=due)
     finally:
         connection.close()

@@ -234,9 +234,25 @@ def test_overview__bounded_queries_and_content(
     trigger(JobBinding.objects.get(enabled=False))
     Worker.objects.create(id="w-dead", host="h2", pid=7, concurrency=1)
     Worker.objects.filter(pk="w-dead").update(heartbeat_at=Now() - timedelta(hours=1))
-    with django_assert_max_num_queries(16):
+    from dispatch.ops_models import Alert, BindingHealth, HealthState
+
+    sick = BindingFactory(name="sick-binding", enabled=False)
+    BindingHealth.objects.create(
+        binding=sick,
+        state=HealthState.AUTO_DISABLED,
+        consecutive_failures=30,
+        reason="auto-disabled: 30 consecutive failed runs (threshold 30)",
+    )
+    Alert.objects.create(
+        kind="BINDING_AUTO_DISABLED", notifier="email", dedup_key="k", status="SENT"
+    )
+    # 16 before the health, alerts and retention sections, one query each.
+    with django_assert_max_num_queries(19):
         response = admin_client.get(reverse("admin:dispatch_overview"))
     body = response.content.decode()
+    assert "sick-binding" in body and "30 consecutive failed runs (threshold 30)" in body
+    assert "Alerts, last 24 hours: sent 1" in body
+    assert "LISTEN probe" in body
     assert response.status_code == 200
     assert "<svg" in body and "dsp-chart" in body
     assert "Binding disabled" in body  # a blocked run and why

@@ -1,0 +1,240 @@
+"""Failure alerts and auto-disable (dispatch/alerts.py): the health scan over real runs
+(settled through the real claim and settlement), email through Django's test backend,
+and a webhook received by a local HTTP server this test starts."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.core import mail
+from django.db.models.functions import Now
+from django.test import override_settings
+
+from dispatch import alerts, claims
+from dispatch.models import JobBinding, Run
+from dispatch.ops_models import Alert, AlertKind, AlertStatus, BindingHealth, HealthState
+from tests.factories import BindingFactory, trigger
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BASE = {
+    "DISPATCH_HEALTH_SCAN_LAG": 0.0,
+    "DISPATCH_ALERT_NOTIFIERS": ["email"],
+    "ADMINS": [("ops", "ops@example.com")],
+    "EMAIL_BACKEND": "django.core.mail.backends.locmem.EmailBackend",
+}
+
+
+def finish(binding: JobBinding, outcome: str, error: str = "sink: relation missing") -> Run:
+    """One run of `binding` through the real claim and settlement: FAILED or SUCCEEDED."""
+    run = trigger(binding)
+    (c,) = claims.claim("w-alerts", run_id=run.id, limit=1, generic=False)
+    if outcome == "FAILED":
+        claims.settle(
+            c.attempt_id, c.lease_token, "PERMANENT", reason="PERMANENT_ERROR", error=error
+        )
+    else:
+        claims.settle(c.attempt_id, c.lease_token, "SUCCEEDED")
+    run.refresh_from_db()
+    assert run.status == outcome
+    return run
+
+
+def health_of(binding: JobBinding) -> BindingHealth:
+    return BindingHealth.objects.get(binding=binding)
+
+
+def kinds(binding: JobBinding) -> list[tuple[str, str]]:
+    return sorted(Alert.objects.filter(binding_id=binding.pk).values_list("kind", "status"))
+
+
+@override_settings(**BASE, DISPATCH_WARN_FAILURES=2, DISPATCH_AUTO_DISABLE_FAILURES=3)
+def test_auto_disable__warned_then_disabled_at_the_threshold_then_reset_by_reenabling(
+    admin_client: Any,
+) -> None:
+    b = BindingFactory()
+    other = BindingFactory()
+    finish(other, "SUCCEEDED")
+    finish(b, "FAILED")
+    alerts.scan()
+    assert health_of(b).state == HealthState.OK and health_of(b).consecutive_failures == 1
+    finish(b, "FAILED")
+    alerts.scan()
+    assert health_of(b).state == HealthState.WARNED
+    assert "2 consecutive failed runs (warning at 2)" in health_of(b).reason
+    finish(b, "FAILED")
+    report = alerts.scan()
+    b.refresh_from_db()
+    h = health_of(b)
+    assert (h.state, b.enabled) == (HealthState.AUTO_DISABLED, False)
+    assert h.reason == "auto-disabled: 3 consecutive failed runs (threshold 3)"
+    assert report.disabled == [b.name]
+    page = admin_client.get(f"/admin/dispatch/jobbinding/{b.pk}/change/").content.decode()
+    assert "Auto-disabled: 3 failed run(s) in a row" in page
+    assert "auto-disabled: 3 consecutive failed runs (threshold 3)" in page
+    assert kinds(b) == sorted(
+        [(AlertKind.RUN_FAILED, AlertStatus.PENDING)] * 3
+        + [
+            (AlertKind.BINDING_WARNED, AlertStatus.PENDING),
+            (AlertKind.BINDING_AUTO_DISABLED, AlertStatus.PENDING),
+        ]
+    )
+    # A second pass over the same runs changes nothing and enqueues nothing.
+    from dispatch.ops_models import OpsState
+
+    OpsState.objects.filter(key=alerts.SCAN_KEY).update(data={})
+    alerts.scan()
+    assert len(kinds(b)) == 5
+    other.refresh_from_db()
+    assert other.enabled and health_of(other).state == HealthState.OK
+    # Re-enabled by an operator: the failures before count no more.
+    JobBinding.objects.filter(pk=b.pk).update(enabled=True)
+    finish(b, "FAILED")
+    report = alerts.scan()
+    b.refresh_from_db()
+    h = health_of(b)
+    assert report.reset == [b.name]
+    assert (h.state, h.consecutive_failures, b.enabled) == (HealthState.OK, 1, True)
+    # Mail goes out on the drain; the disable says why.
+    assert alerts.drain() == 6
+    subjects = [m.subject for m in mail.outbox]
+    assert f"[dispatch] {b.name} was disabled" in subjects
+    assert subjects.count(f"[dispatch] run of {b.name} failed for good") == 4
+    disabled = next(m for m in mail.outbox if m.subject.endswith("was disabled"))
+    assert disabled.to == ["ops@example.com"]
+    assert "3 consecutive failed runs (threshold 3)" in disabled.body
+
+
+@override_settings(**BASE, DISPATCH_AUTO_DISABLE_FAILURES=100, DISPATCH_AUTO_DISABLE_DAYS=7)
+def test_auto_disable__no_success_for_days() -> None:
+    b = BindingFactory()
+    finish(b, "FAILED")
+    alerts.scan()
+    assert health_of(b).state == HealthState.OK
+    # As if the streak had begun eight days ago (its first failed run's creation).
+    BindingHealth.objects.filter(binding=b).update(failing_since=Now() - timedelta(days=8))
+    report = alerts.scan()  # no new run: the failing bindings' pass decides
+    b.refresh_from_db()
+    assert report.disabled == [b.name] and not b.enabled
+    assert health_of(b).reason.startswith("auto-disabled: no successful run for 8.0 days")
+
+
+@override_settings(**BASE)
+def test_alerts__email_to_the_binding_addresses_on_failure_and_recovery() -> None:
+    b = BindingFactory()
+    BindingHealth.objects.create(binding=b, alert_emails="a@example.com, b@example.com")
+    run = finish(b, "FAILED", error="sink: relation public.orders does not exist")
+    alerts.scan()
+    assert alerts.drain() == 1
+    (failed,) = mail.outbox
+    assert failed.to == ["a@example.com", "b@example.com"]
+    assert str(run.id) in failed.body
+    assert "relation public.orders does not exist" in failed.body
+    finish(b, "SUCCEEDED")
+    report = alerts.scan()
+    assert report.recovered == [b.name]
+    assert alerts.drain() == 1
+    assert mail.outbox[1].subject == f"[dispatch] {b.name} succeeded again"
+    # Muted: nothing more is enqueued.
+    BindingHealth.objects.filter(binding=b).update(alerts_muted=True)
+    finish(b, "FAILED")
+    alerts.scan()
+    assert alerts.drain() == 0 and len(mail.outbox) == 2
+
+
+@override_settings(**BASE, DISPATCH_ALERT_RATE_LIMIT=2)
+def test_alerts__rate_limited_per_binding_and_kind() -> None:
+    b = BindingFactory()
+    for _ in range(3):
+        finish(b, "FAILED")
+    alerts.scan()
+    statuses = sorted(
+        Alert.objects.filter(kind=AlertKind.RUN_FAILED).values_list("status", flat=True)
+    )
+    assert statuses == [AlertStatus.PENDING, AlertStatus.PENDING, AlertStatus.SUPPRESSED]
+    assert alerts.drain() == 2
+
+
+class Hook(http.server.BaseHTTPRequestHandler):
+    answers: list[int] = []
+    received: list[tuple[dict[str, str], bytes]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - the standard library's name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).received.append((dict(self.headers), body))
+        self.send_response(type(self).answers.pop(0) if type(self).answers else 200)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def hook() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    Hook.received, Hook.answers = [], [500]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hook"
+    server.shutdown()
+    server.server_close()
+
+
+def test_alerts__webhook_signed_retried_with_backoff_then_sent(hook: str) -> None:
+    secret = "webhook-secret-4f1c"
+    with override_settings(
+        **{**BASE, "DISPATCH_ALERT_NOTIFIERS": ["webhook"]},
+        DISPATCH_ALERT_WEBHOOK_URL=hook,
+        DISPATCH_ALERT_WEBHOOK_SECRET=secret,
+        DISPATCH_ALERT_BACKOFF=0.0,
+    ):
+        b = BindingFactory()
+        run = finish(b, "FAILED")
+        alerts.scan()
+        assert alerts.drain() == 0  # the server answered 500
+        (alert,) = Alert.objects.all()
+        assert (alert.status, alert.attempts) == (AlertStatus.PENDING, 1)
+        assert "answered HTTP 500" in alert.last_error
+        assert alerts.drain() == 1  # retried (no backoff here), the server said 200
+        alert.refresh_from_db()
+        assert (alert.status, alert.attempts) == (AlertStatus.SENT, 2)
+    assert len(Hook.received) == 2
+    headers, body = Hook.received[-1]
+    scheme = dict(part.split("=", 1) for part in headers["X-Dispatch-Signature"].split(","))
+    expected = hmac.new(
+        secret.encode(), scheme["t"].encode() + b"." + body, hashlib.sha256
+    ).hexdigest()
+    assert hmac.compare_digest(scheme["v1"], expected)
+    payload = json.loads(body)
+    assert (payload["kind"], payload["binding"], payload["run_id"]) == (
+        AlertKind.RUN_FAILED,
+        b.name,
+        str(run.id),
+    )
+    assert secret not in body.decode() and all(secret not in v for v in headers.values())
+
+
+@override_settings(
+    **{**BASE, "DISPATCH_ALERT_NOTIFIERS": ["webhook"]},
+    DISPATCH_ALERT_MAX_ATTEMPTS=2,
+    DISPATCH_ALERT_BACKOFF=0.0,
+    DISPATCH_ALERT_WEBHOOK_URL="http://127.0.0.1:9/none",
+)
+def test_alerts__an_unreachable_webhook_gives_up_after_the_last_attempt() -> None:
+    b = BindingFactory()
+    finish(b, "FAILED")
+    alerts.scan()
+    alerts.drain()
+    alerts.drain()
+    (alert,) = Alert.objects.all()
+    assert (alert.status, alert.attempts) == (AlertStatus.FAILED, 2)
+    assert "webhook at 127.0.0.1:9 unreachable" in alert.last_error
+    assert alerts.drain() == 0  # given up: not sent again
