@@ -241,12 +241,12 @@ def _thresholds(binding: Any, health: BindingHealth, report: ScanReport) -> None
             if disable_n and n >= disable_n
             else f"no successful run for {days:.1f} days (threshold {disable_days:g})"
         )
-        disabled = type(binding).objects.filter(pk=binding.pk, enabled=True).update(enabled=False)
+        # The reason stays on the health row, shown on the binding's page and the
+        # overview; no admin history entry, which would need a user, and none did it.
+        type(binding).objects.filter(pk=binding.pk, enabled=True).update(enabled=False)
         health.state = HealthState.AUTO_DISABLED
         health.reason = f"auto-disabled: {why}"[:200]
         health.disabled_at = Now()
-        if disabled:
-            _history(binding, health.reason)
         report.disabled.append(binding.name)
         _enqueue(AlertKind.BINDING_AUTO_DISABLED, binding, health, report, event=why)
         return
@@ -288,30 +288,6 @@ def _db_now() -> datetime:
     with connection.cursor() as cursor:
         cursor.execute("SELECT now()")
         return cursor.fetchone()[0]  # type: ignore[index]
-
-
-def _history(binding: Any, reason: str) -> None:
-    """The auto-disable in the binding's admin history (no user: the system did it)."""
-    from django.apps import apps
-
-    if not apps.is_installed("django.contrib.admin"):
-        return
-    from django.contrib.admin.models import CHANGE, LogEntry
-    from django.contrib.auth import get_user_model
-    from django.contrib.contenttypes.models import ContentType
-
-    # LogEntry needs a user; the console shows the reason on the binding's page whatever.
-    user = get_user_model().objects.filter(is_superuser=True).order_by("pk").first()
-    if user is None:
-        return
-    LogEntry.objects.create(
-        user=user,
-        content_type=ContentType.objects.get_for_model(type(binding)),
-        object_id=str(binding.pk),
-        object_repr=str(binding)[:200],
-        action_flag=CHANGE,
-        change_message=json.dumps([{"changed": {"fields": ["enabled"]}}]) + f" ({reason})",
-    )
 
 
 # --- the outbox ----------------------------------------------------------------------------
