@@ -59,11 +59,18 @@ def main(argv: list[str]) -> int:
         "round trip": "the client's answer (commit included)",
     }
     labels_trigger = {"trigger": "`services.trigger()` (run, attempt 1, commit, NOTIFY)"}
-    rows = []
-    for part, label in labels.items():
-        p50 = common.Spread([common.percentile(r[part], 50) for r in rounds])
-        p99 = common.Spread([common.percentile(r[part], 99) for r in rounds])
-        rows.append([label, p50.fmt(2), p99.fmt(2)])
+
+    def percentiles(parts: dict[str, str]) -> list[list[str]]:
+        return [
+            [
+                label,
+                common.Spread([common.percentile(r[part], 50) for r in rounds]).fmt(2),
+                common.Spread([common.percentile(r[part], 99) for r in rounds]).fmt(2),
+            ]
+            for part, label in parts.items()
+        ]
+
+    rows = percentiles(labels)
     report.add(
         f"One run triggered, then claimed by `dispatch_claim_v5(worker, run, 1, false)` (the "
         f"directed claim a woken worker makes) on one autocommit connection, then settled; "
@@ -74,11 +81,7 @@ def main(argv: list[str]) -> int:
         "included."
     )
     report.add(common.table(["from the claim statement's start to", "p50 ms", "p99 ms"], rows))
-    trigger_rows = []
-    for part, label in labels_trigger.items():
-        p50 = common.Spread([common.percentile(r[part], 50) for r in rounds])
-        p99 = common.Spread([common.percentile(r[part], 99) for r in rounds])
-        trigger_rows.append([label, p50.fmt(2), p99.fmt(2)])
+    trigger_rows = percentiles(labels_trigger)
     report.add(
         "And the trigger before each claim, timed by the client from the call to its "
         "return (the wake-up benchmark's clock starts just before that call):"

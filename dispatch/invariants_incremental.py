@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -97,14 +96,6 @@ def _attempt_cursors(attempt_ids: list[uuid.UUID]) -> dict[uuid.UUID, tuple[Any,
         }
 
 
-@contextmanager
-def _connection(datasource_id: uuid.UUID) -> Iterator[Any]:
-    from dispatch.invariants import _sink_connection
-
-    with _sink_connection(datasource_id) as conn:
-        yield conn
-
-
 def load(state: State, history: Mapping[str, str] | None = None) -> list[IncrementalSink]:
     """Check every incremental binding in scope (see the module's doc); a sink or source
     that cannot be read becomes `IncrementalSink.error` (a violation)."""
@@ -136,7 +127,9 @@ def _check_one(state: State, b: BindingRow, inc: Any, item: IncrementalSink) -> 
 
     run_ids = [r.id for r in state.runs.values() if r.binding_id == b.id]
     sink_schema, sink_name = postgresql.parse_table(b.sink_spec["table"])
-    with _connection(b.sink_id) as sink:
+    from dispatch.invariants import _sink_connection
+
+    with _sink_connection(b.sink_id) as sink:
         schema = sink_schema or sink.execute("SELECT current_schema()").fetchone()[0]
         target = sql.Identifier(schema, sink_name)
         fence_ok, cursor_ok, table_ok = sink.execute(
@@ -187,7 +180,7 @@ def _check_one(state: State, b: BindingRow, inc: Any, item: IncrementalSink) -> 
             return
         _check_chain(inc, item, _attempt_cursors(committed_attempts))
         src_schema, src_name = postgresql.parse_table(b.source_spec["table"])
-        with _connection(b.source_id) as source:  # type: ignore[arg-type]
+        with _sink_connection(b.source_id) as source:  # type: ignore[arg-type]
             src_schema = src_schema or source.execute("SELECT current_schema()").fetchone()[0]
             _compare(source, sink, target, sql.Identifier(src_schema, src_name), inc, b, item)
 

@@ -126,6 +126,22 @@ def _holder(holders: list[psycopg.Connection[Any]], db: ScratchDB) -> psycopg.Co
     return conn
 
 
+def _gated_run(
+    src: ScratchDB,
+    dst: ScratchDB,
+    processes: Processes,
+    holders: list[psycopg.Connection[Any]],
+    worker_id: str,
+) -> tuple[Any, psycopg.Connection[Any], Run, Any]:
+    """The binding, a session holding the gate row, a run and the worker `worker_id`
+    whose COPY will wait on that row: (binding, gate session, run, worker process)."""
+    binding = _setup(src, dst)
+    gate = _holder(holders, dst)
+    gate.execute("SELECT 1 FROM gate WHERE name = 'b' FOR UPDATE")
+    run = factories.trigger(binding)
+    return binding, gate, run, processes.worker("--worker-id", worker_id)
+
+
 def _succeed(processes: Processes, run: Run, name: str) -> Any:
     worker = processes.worker("--worker-id", name)
     wait_until(
@@ -156,11 +172,7 @@ def test_incremental__killed_in_the_middle_of_the_copy(
     processes: Processes,
     holders: list[psycopg.Connection[Any]],
 ) -> None:
-    binding = _setup(src_db, dst_db)
-    holder = _holder(holders, dst_db)
-    holder.execute("SELECT 1 FROM gate WHERE name = 'b' FOR UPDATE")
-    run = factories.trigger(binding)
-    doomed = processes.worker("--worker-id", "doomed")
+    binding, holder, run, doomed = _gated_run(src_db, dst_db, processes, holders, "doomed")
     _kill_while_held(processes, dst_db, holder, doomed)
     assert dst_db.execute("SELECT count(*) FROM copy") == [(0,)]  # nothing committed
     _succeed(processes, run, "successor")
@@ -206,11 +218,7 @@ def test_incremental__killed_after_the_sink_commit_before_settlement_then_contin
     processes: Processes,
     holders: list[psycopg.Connection[Any]],
 ) -> None:
-    binding = _setup(src_db, dst_db)
-    gate = _holder(holders, dst_db)
-    gate.execute("SELECT 1 FROM gate WHERE name = 'b' FOR UPDATE")
-    run = factories.trigger(binding)
-    doomed = processes.worker("--worker-id", "doomed")
+    binding, gate, run, doomed = _gated_run(src_db, dst_db, processes, holders, "doomed")
     wait_until(lambda: _waiting_on(dst_db, gate), timeout=60, message="the COPY waits")
     # Claimed and copying: now hold the run row, so the settlement (which locks the run
     # first) waits and the window between the sink commit and the outcome stays open.
@@ -279,11 +287,7 @@ def test_incremental__stopped_past_its_lease_while_a_successor_commits(
     processes: Processes,
     holders: list[psycopg.Connection[Any]],
 ) -> None:
-    binding = _setup(src_db, dst_db)
-    holder = _holder(holders, dst_db)
-    holder.execute("SELECT 1 FROM gate WHERE name = 'b' FOR UPDATE")
-    run = factories.trigger(binding)
-    stopped = processes.worker("--worker-id", "stopped")
+    binding, holder, run, stopped = _gated_run(src_db, dst_db, processes, holders, "stopped")
     wait_until(lambda: _waiting_on(dst_db, holder), timeout=60, message="A's COPY waits")
     stopped_pid = _waiting_on(dst_db, holder)[0]
     stopped.send_signal(signal.SIGSTOP)
