@@ -61,6 +61,7 @@ from dispatch.models import (
     SECRET_MASK,
     Attempt,
     BindingCursor,
+    BindingHealth,
     Datasource,
     Job,
     JobBinding,
@@ -539,6 +540,34 @@ class BindingInline(admin.TabularInline):  # type: ignore[type-arg]
         return super().get_queryset(request).select_related("source", "sink", "job")
 
 
+class BindingAlertsInline(admin.StackedInline):  # type: ignore[type-arg]
+    """A binding's alert settings (its health row; the state itself is the health
+    scan's, shown read-only on the binding). The webhook is chosen among the site's named
+    ones: a binding never names a host of its own."""
+
+    model = BindingHealth
+    fields = ["alert_emails", "alert_webhook", "alerts_muted"]
+    verbose_name = "alert settings"
+    verbose_name_plural = "alert settings"
+    max_num = 1
+    can_delete = False
+
+    def formfield_for_dbfield(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
+        if db_field.name == "alert_webhook":
+            from django import forms
+
+            from dispatch import conf
+
+            names = sorted(conf.alert_webhooks())
+            return forms.ChoiceField(
+                choices=[("", "the site's default webhook, if any"), *((n, n) for n in names)],
+                required=False,
+                label="Alert webhook",
+                help_text=db_field.help_text,
+            )
+        return super().formfield_for_dbfield(db_field, request, **kwargs)
+
+
 @admin.register(Job)
 class JobAdmin(ConsoleAdmin):
     list_display = [
@@ -603,6 +632,7 @@ class JobBindingAdmin(ConsoleAdmin):
         changelist_action(RESET_CURSOR, "reset_cursor"),
     ]
     object_actions = (TRIGGER, RESET_CURSOR, SET_CURSOR)
+    inlines = [BindingAlertsInline]
     has_trigger_permission = _perm("trigger_binding")
     has_reset_cursor_permission = _perm("reset_cursor_binding")
 
@@ -615,6 +645,14 @@ class JobBindingAdmin(ConsoleAdmin):
     def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
         sqlperm.guard_binding_save(request, obj, change)
         super().save_model(request, obj, form, change)
+
+    def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
+        for inline_form in formset.forms:
+            health = inline_form.instance
+            if isinstance(health, BindingHealth) and health._state.adding:
+                # As the health scan's first pass does: the streak counts every run.
+                health.counted_since = form.instance.created_at
+        super().save_formset(request, form, formset, change)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[JobBinding]:
         latest = Run.objects.filter(binding=OuterRef("pk")).order_by("-created_at")

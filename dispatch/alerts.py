@@ -43,7 +43,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
-from dispatch import conf
+from dispatch import binding_metrics, conf
 from dispatch.ops_models import Alert, AlertKind, AlertStatus, BindingHealth, HealthState
 from dispatch.retention import begin_pass
 from dispatch.states import Status
@@ -53,6 +53,7 @@ log = logging.getLogger("dispatch.alerts")
 SCAN_KEY = "health"
 # Runs read per scan pass at most (the rest waits for the next pass).
 SCAN_BATCH = 1000
+SCAN_MAX_BATCHES = 20
 # Alerts leased per drain pass, and how long a lease keeps others off an alert.
 DRAIN_BATCH = 20
 LEASE_SECONDS = 120.0
@@ -86,20 +87,43 @@ def _save_state(data: dict[str, Any]) -> None:
 
 
 def maybe_scan_and_drain() -> tuple[ScanReport, int] | None:
-    """The maintenance task: a scan, then a drain, if no worker ran them within
-    `DISPATCH_HEALTH_INTERVAL` (one gate for both: one transaction when it is not the
-    turn of this worker)."""
+    """The maintenance task: a scan, the metrics fold (dispatch.binding_metrics), then a
+    drain, if no worker ran them within `DISPATCH_HEALTH_INTERVAL` (one gate for all
+    three: one transaction when it is not the turn of this worker)."""
     if not begin_pass(SCAN_KEY, conf.health_interval()):
         return None
-    return scan(), drain()
+    report = scan()
+    binding_metrics.fold()
+    return report, drain()
 
 
 def scan(*, now: datetime | None = None) -> ScanReport:
-    """One pass: the runs finished since the last one, then the time-based thresholds.
-    Idempotent: a pass over runs already seen changes nothing and enqueues nothing."""
+    """One pass: the runs finished since the last one (in batches of `SCAN_BATCH`, at
+    most `SCAN_MAX_BATCHES`, so a busy site is caught up within a pass or two), then the
+    time-based thresholds. Idempotent: a pass over runs already seen changes nothing and
+    enqueues nothing."""
+    report = ScanReport()
+    for _ in range(SCAN_MAX_BATCHES):
+        if _scan_batch(report) < SCAN_BATCH:
+            break
+    _scan_failing(report)
+    if report.warned or report.disabled or report.recovered or report.alerts:
+        log.info(
+            "health scan runs=%d warned=%s disabled=%s recovered=%s alerts=%d suppressed=%d",
+            report.runs,
+            report.warned,
+            report.disabled,
+            report.recovered,
+            report.alerts,
+            report.suppressed,
+        )
+    return report
+
+
+def _scan_batch(report: ScanReport) -> int:
+    """The next `SCAN_BATCH` finished runs after the cursor; returns how many."""
     from dispatch.models import Run
 
-    report = ScanReport()
     state = _state()
     after_at = state.get("after_at")
     after_id = state.get("after_id")
@@ -114,29 +138,18 @@ def scan(*, now: datetime | None = None) -> ScanReport:
         .order_by("finished_at", "id")
         .values_list("id", "binding_id", "status", "finished_at")[:SCAN_BATCH]
     )
-    report.runs = len(runs)
+    report.runs += len(runs)
     touched: dict[uuid.UUID, list[tuple[uuid.UUID, str]]] = {}
     for run_id, binding_id, status, _ in runs:
         touched.setdefault(binding_id, []).append((run_id, status))
     for binding_id, finished in touched.items():
         _scan_binding(binding_id, finished, report)
-    _scan_failing(report)
     if runs:
         last_id, _, _, last_at = runs[-1]
         assert last_at is not None  # the filter's
         _save_state({**state, "after_at": last_at.isoformat(), "after_id": str(last_id)})
-    report.bindings = len(touched)
-    if report.warned or report.disabled or report.recovered or report.alerts:
-        log.info(
-            "health scan runs=%d warned=%s disabled=%s recovered=%s alerts=%d suppressed=%d",
-            report.runs,
-            report.warned,
-            report.disabled,
-            report.recovered,
-            report.alerts,
-            report.suppressed,
-        )
-    return report
+    report.bindings += len(touched)
+    return len(runs)
 
 
 def _streak(binding_id: uuid.UUID, since: datetime) -> tuple[int, datetime | None, Any, Any]:
@@ -298,6 +311,24 @@ def _recipients(health: BindingHealth) -> list[str]:
     return own or [address for _, address in getattr(settings, "ADMINS", [])]
 
 
+def _notifiers(health: BindingHealth) -> list[str]:
+    """This binding's notifiers: `email` when it has recipients; `webhook:NAME` for its
+    own named webhook, else `webhook` when the site has a default URL."""
+    chosen = []
+    for notifier in conf.alert_notifiers():
+        if notifier == "email":
+            if _recipients(health):
+                chosen.append(notifier)
+        elif notifier == "webhook":
+            if health.alert_webhook:
+                chosen.append(f"webhook:{health.alert_webhook}")
+            elif conf.alert_webhook_url():
+                chosen.append(notifier)
+        else:
+            chosen.append(notifier)
+    return chosen
+
+
 def _payload(
     kind: str, binding: Any, health: BindingHealth, run_id: uuid.UUID | None, event: str
 ) -> dict[str, Any]:
@@ -343,7 +374,7 @@ def _enqueue(
     SUPPRESSED: visible in the console, never sent."""
     if health.alerts_muted:
         return
-    notifiers = conf.alert_notifiers()
+    notifiers = _notifiers(health)
     if not notifiers:
         return
     # One alert per run, or per failing streak and kind (its first failure names it).
@@ -352,8 +383,6 @@ def _enqueue(
     payload = _payload(kind, binding, health, run_id, event)
     limit = conf.alert_rate_limit()
     for notifier in notifiers:
-        if notifier == "email" and not _recipients(health):
-            continue
         recent = Alert.objects.filter(
             binding_id=binding.pk,
             kind=kind,
@@ -443,7 +472,13 @@ def send(alert: Alert) -> None:
     if alert.notifier == "email":
         _send_email(alert)
     elif alert.notifier == "webhook":
-        _send_webhook(alert)
+        _send_webhook(alert, conf.alert_webhook_url(), conf.alert_webhook_secret())
+    elif alert.notifier.startswith("webhook:"):
+        name = alert.notifier.partition(":")[2]
+        hook = conf.alert_webhooks().get(name)
+        if hook is None or not hook["url"]:
+            raise ValueError(f"webhook {name!r} is not in DISPATCH_ALERT_WEBHOOKS")
+        _send_webhook(alert, hook["url"], hook["secret"])
     else:
         raise ValueError(f"unknown notifier {alert.notifier!r}")
 
@@ -465,8 +500,7 @@ def signature(secret: str, timestamp: str, body: bytes) -> str:
     return hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
 
 
-def _send_webhook(alert: Alert) -> None:
-    url = conf.alert_webhook_url()
+def _send_webhook(alert: Alert, url: str, secret: str) -> None:
     if not url:
         raise ValueError("DISPATCH_ALERT_WEBHOOK_URL is not set")
     body = json.dumps(
@@ -475,7 +509,6 @@ def _send_webhook(alert: Alert) -> None:
     ).encode()
     timestamp = str(int(time.time()))
     headers = {"Content-Type": "application/json", "User-Agent": "dispatch-alerts"}
-    secret = conf.alert_webhook_secret()
     if secret:
         headers["X-Dispatch-Signature"] = f"t={timestamp},v1={signature(secret, timestamp, body)}"
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")

@@ -109,3 +109,41 @@ def check_time_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
                 )
             )
     return errors
+
+
+@register()
+def check_alert_webhooks(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """dispatch.E014: DISPATCH_ALERT_WEBHOOKS is not a mapping of names to
+    {"url": "http(s)://...", "secret": "..."}."""
+    from urllib.parse import urlsplit
+
+    from django.conf import settings
+
+    configured = getattr(settings, "DISPATCH_ALERT_WEBHOOKS", None) or {}
+    hint = 'Set it to {"name": {"url": "https://...", "secret": "..."}, ...}.'
+    if not isinstance(configured, dict):
+        return [
+            Error("DISPATCH_ALERT_WEBHOOKS must be a dict.", hint=hint, id="dispatch.E014"),
+        ]
+    errors = []
+    for name, hook in configured.items():
+        problem = ""
+        if not isinstance(name, str) or not name or len(name) > 40 or ":" in name:
+            problem = "its name must be 1 to 40 characters without ':'"
+        elif not isinstance(hook, dict) or set(hook) - {"url", "secret"}:
+            problem = 'it must be a dict with the keys "url" and (optionally) "secret"'
+        elif (
+            urlsplit(str(hook.get("url", ""))).scheme not in ("http", "https")
+            or not urlsplit(str(hook.get("url", ""))).hostname
+        ):
+            problem = "its url must be an http(s) URL with a host"
+        if problem:
+            # The name only: the URL may carry credentials.
+            errors.append(
+                Error(
+                    f"DISPATCH_ALERT_WEBHOOKS[{str(name)[:40]!r}]: {problem}.",
+                    hint=hint,
+                    id="dispatch.E014",
+                )
+            )
+    return errors

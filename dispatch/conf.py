@@ -192,12 +192,25 @@ def alert_webhook_timeout() -> float:
     return float(getattr(settings, "DISPATCH_ALERT_WEBHOOK_TIMEOUT", 5.0))
 
 
+def alert_webhooks() -> dict[str, dict[str, str]]:
+    """Named webhooks a binding may send its alerts to instead of the site's default:
+    `{"name": {"url": "https://...", "secret": "..."}}`. Only the site's settings name
+    hosts: a binding picks one of these by name, never a URL of its own."""
+    configured = getattr(settings, "DISPATCH_ALERT_WEBHOOKS", None) or {}
+    return {
+        str(name): {"url": str(v.get("url", "") or ""), "secret": str(v.get("secret", "") or "")}
+        for name, v in dict(configured).items()
+        if isinstance(v, dict)
+    }
+
+
 def alert_notifiers() -> list[str]:
-    """The notifiers alerts go through: `email` and, when a URL is set, `webhook`."""
+    """The notifiers alerts go through: `email` and `webhook` (a webhook alert is written
+    only for a binding with a webhook: its own named one, else the site's default URL)."""
     configured = getattr(settings, "DISPATCH_ALERT_NOTIFIERS", None)
     if configured is not None:
         return [str(n) for n in configured]
-    return ["email", *(["webhook"] if alert_webhook_url() else [])]
+    return ["email", "webhook"]
 
 
 def alert_rate_limit() -> int:
@@ -228,3 +241,14 @@ def metrics_path() -> str:
 def metrics_token() -> str:
     """A bearer token that may read the metrics besides staff users ("": staff only)."""
     return str(getattr(settings, "DISPATCH_METRICS_TOKEN", ""))
+
+
+def worker_metrics_port() -> int:
+    """The port each `runworker` serves its own Prometheus metrics on (0: none)."""
+    return int(getattr(settings, "DISPATCH_WORKER_METRICS_PORT", 0) or 0)
+
+
+def worker_metrics_addr() -> str:
+    """The address the worker's metrics port binds to (loopback unless told otherwise:
+    the port has no access control of its own)."""
+    return str(getattr(settings, "DISPATCH_WORKER_METRICS_ADDR", "127.0.0.1") or "127.0.0.1")

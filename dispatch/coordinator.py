@@ -42,7 +42,7 @@ from django.db import ProgrammingError as DjangoProgrammingError
 from django.db import connection
 from psycopg import sql
 
-from dispatch import claims, conf, deadline, listen, services
+from dispatch import binding_metrics, claims, conf, deadline, listen, metrics, services
 from dispatch.claims import ClaimedAttempt
 from dispatch.runner import ExecutionControl, Runner, StopCause
 from dispatch.sqlfiles import query
@@ -147,6 +147,7 @@ class WorkerDispatchCoordinator:
         self.burst = burst
         self.background = background or []
         self.stats: Counter[str] = Counter()
+        self._execution_seconds = binding_metrics.Histogram(binding_metrics.DURATION_BUCKETS)
         self.executions: dict[uuid.UUID, Execution] = {}
         # Reentrant: request_stop takes it and may run in a signal handler on the main
         # thread while that thread holds it.
@@ -783,9 +784,11 @@ class WorkerDispatchCoordinator:
                     on_event=self._on_event,
                     refill=_SlotRefill(self),
                 )
+                started = time.monotonic()
                 try:
                     runner.execute()
                     execution.refilled = runner.refilled
+                    self._count_execution(execution, time.monotonic() - started)
                 except DB_ERRORS as exc:
                     # The outcome could not be recorded: the lease runs out and recovery
                     # settles the attempt; the connection is rebuilt for the next one.
@@ -802,6 +805,35 @@ class WorkerDispatchCoordinator:
             finally:
                 execution.done.set()
                 self._wake()
+
+    def _count_execution(self, execution: Execution, seconds: float) -> None:
+        """Count a settled execution for the worker's metrics port."""
+        with self._lock:
+            self.stats["executions_finished"] += 1
+            self.stats["rows_read"] += execution.control.rows_read or 0
+            self.stats["rows_written"] += execution.control.rows_written or 0
+            self._execution_seconds.observe(seconds)
+
+    def metrics_snapshot(self) -> metrics.WorkerSnapshot:
+        """What the worker's metrics port shows (dispatch.metrics.WorkerCollector)."""
+        with self._lock:
+            counters = {k: int(v) for k, v in self.stats.items()}
+            busy = sum(1 for e in self.executions.values() if not e.done.is_set())
+            seconds = binding_metrics.Histogram(
+                self._execution_seconds.bounds,
+                list(self._execution_seconds.counts),
+                self._execution_seconds.total,
+            )
+        probe = self.probe.stats()
+        state = list(listen.ListenState)[probe["listen_state"]]
+        return metrics.WorkerSnapshot(
+            counters=counters,
+            concurrency=self.concurrency,
+            busy=busy,
+            listen_state=state.value,
+            listen_healthy=bool(probe["listen_healthy"]),
+            execution_seconds=seconds,
+        )
 
     def _on_event(self, name: str) -> None:
         self._count(name)

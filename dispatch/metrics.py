@@ -12,16 +12,23 @@ import hmac
 import json
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from django.db import connection
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.cache import never_cache
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from dispatch import conf
+from dispatch import binding_metrics, conf
+from dispatch.ops_models import HealthState
 from dispatch.sqlfiles import ops_query
 
 MAX_BINDINGS = 200
@@ -130,9 +137,78 @@ class DispatchCollector:
         yield rows_est
 
 
+class BindingCountersCollector:
+    """The per-binding counters the maintenance loop folds in (dispatch.binding_metrics):
+    finished runs, attempts, rows moved, attempt duration and queue wait. One indexed
+    read of at most `MAX_BINDINGS` rows; they lag finished runs by up to a health
+    interval (60 s by default)."""
+
+    def collect(self) -> Iterator[Metric]:
+        runs = CounterMetricFamily(
+            "dispatch_runs_finished",
+            "Runs that reached a final status, by binding and status.",
+            labels=["binding", "status"],
+        )
+        attempts = CounterMetricFamily(
+            "dispatch_attempts_finished",
+            "Attempts of finished runs, by binding and outcome.",
+            labels=["binding", "status"],
+        )
+        read = CounterMetricFamily(
+            "dispatch_rows_read", "Rows read from sources, by binding.", labels=["binding"]
+        )
+        written = CounterMetricFamily(
+            "dispatch_rows_written", "Rows written to sinks, by binding.", labels=["binding"]
+        )
+        duration = HistogramMetricFamily(
+            "dispatch_run_duration_seconds",
+            "How long each attempt of a finished run executed (claim to settlement).",
+            labels=["binding"],
+        )
+        wait = HistogramMetricFamily(
+            "dispatch_queue_wait_seconds",
+            "How long each attempt of a finished run waited from due to claimed.",
+            labels=["binding"],
+        )
+        for name, stored in _rows("metrics_binding_counters", {"limit": MAX_BINDINGS}):
+            c = binding_metrics.Counters.load(
+                json.loads(stored) if isinstance(stored, str) else stored
+            )
+            for status, n in sorted(c.runs.items()):
+                runs.add_metric([name, status], n)
+            for status, n in sorted(c.attempts.items()):
+                attempts.add_metric([name, status], n)
+            read.add_metric([name], c.rows_read)
+            written.add_metric([name], c.rows_written)
+            duration.add_metric([name], c.duration.cumulative(), c.duration.total)
+            wait.add_metric([name], c.wait.cumulative(), c.wait.total)
+        yield from (runs, attempts, read, written, duration, wait)
+
+        health = GaugeMetricFamily(
+            "dispatch_bindings_by_health",
+            "Bindings by health (OK, WARNED, AUTO_DISABLED; a binding with no finished run "
+            "scanned yet counts as none).",
+            labels=["state"],
+        )
+        counted = dict(_rows("metrics_binding_health"))
+        for state in HealthState.values:
+            health.add_metric([state], counted.get(state, 0))
+        yield health
+
+        alerts = GaugeMetricFamily(
+            "dispatch_alerts_last_day",
+            "Alerts created in the last 24 hours, by status and kind.",
+            labels=["status", "kind"],
+        )
+        for status, kind, n in _rows("metrics_alerts_last_day"):
+            alerts.add_metric([status, kind], n)
+        yield alerts
+
+
 def registry() -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(DispatchCollector())  # type: ignore[arg-type]
+    reg.register(BindingCountersCollector())  # type: ignore[arg-type]
     return reg
 
 
@@ -151,3 +227,69 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     if not _allowed(request):
         return HttpResponse("forbidden\n", status=403, content_type="text/plain")
     return HttpResponse(generate_latest(registry()), content_type=CONTENT_TYPE_LATEST)
+
+
+# --- a worker's own metrics port (runworker --metrics-port) --------------------------------
+class WorkerSource(Protocol):
+    """What a worker shows its metrics port (dispatch.coordinator implements it)."""
+
+    def metrics_snapshot(self) -> WorkerSnapshot: ...
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    counters: dict[str, int]
+    concurrency: int
+    busy: int
+    listen_state: str
+    listen_healthy: bool
+    execution_seconds: binding_metrics.Histogram
+
+
+class WorkerCollector:
+    """This process's counters, read from memory at each scrape (no database call: a
+    worker's port answers while its database does not)."""
+
+    def __init__(self, source: WorkerSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.source.metrics_snapshot()
+        events = CounterMetricFamily(
+            "dispatch_worker_events",
+            "This worker's counters since it started: claims by path, directed hits and "
+            "misses, notifications, lease expiries recovered, leases lost, fenced commits, "
+            "rows read and written, ...",
+            labels=["event"],
+        )
+        for name, n in sorted(snap.counters.items()):
+            events.add_metric([name], n)
+        yield events
+        slots = GaugeMetricFamily(
+            "dispatch_worker_slots", "This worker's executor slots by use.", labels=["state"]
+        )
+        slots.add_metric(["busy"], snap.busy)
+        slots.add_metric(["free"], max(0, snap.concurrency - snap.busy))
+        yield slots
+        listen = GaugeMetricFamily(
+            "dispatch_worker_listen_healthy",
+            "1 while this worker's LISTEN self-probe says wake-ups arrive, else 0.",
+            labels=["state"],
+        )
+        listen.add_metric([snap.listen_state], int(snap.listen_healthy))
+        yield listen
+        duration = HistogramMetricFamily(
+            "dispatch_worker_execution_seconds",
+            "How long this worker's executions ran, claim to settlement.",
+        )
+        duration.add_metric([], snap.execution_seconds.cumulative(), snap.execution_seconds.total)
+        yield duration
+
+
+def serve_worker_metrics(source: WorkerSource, port: int, addr: str) -> Any:
+    """Serve `source`'s metrics on addr:port in a daemon thread; returns the server
+    (its `server_address` tells the port when 0 asked the system for one)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(WorkerCollector(source))  # type: ignore[arg-type]
+    server, _thread = start_http_server(port, addr=addr, registry=reg)
+    return server

@@ -640,4 +640,9 @@ class Overview(Run):
 
 
 # The operations tables live in their own module; Django finds models through this one.
-from dispatch.ops_models import Alert, BindingHealth, OpsState  # noqa: E402, F401
+from dispatch.ops_models import (  # noqa: E402, F401
+    Alert,
+    BindingHealth,
+    BindingMetrics,
+    OpsState,
+)

@@ -67,6 +67,13 @@ class BindingHealth(models.Model):
         default="",
         help_text="Comma-separated addresses for this binding's alerts; empty: the site's ADMINS.",
     )
+    alert_webhook = models.CharField(
+        max_length=100,
+        blank=True,
+        default="",
+        help_text="The name of one of the site's DISPATCH_ALERT_WEBHOOKS for this binding's "
+        "alerts; empty: the site's default webhook (DISPATCH_ALERT_WEBHOOK_URL), if any.",
+    )
     alerts_muted = models.BooleanField(
         default=False, help_text="Send no alerts for this binding (auto-disable still applies)."
     )
@@ -92,6 +99,30 @@ class BindingHealth(models.Model):
 
     def __str__(self) -> str:
         return f"health of {self.binding_id}"
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+        from django.core.validators import validate_email
+
+        from dispatch import conf
+
+        errors: dict[str, str] = {}
+        for address in (a.strip() for a in self.alert_emails.split(",")):
+            if not address:
+                continue
+            try:
+                validate_email(address)
+            except ValidationError:
+                errors["alert_emails"] = f"{address[:100]!r} is not an email address."
+                break
+        names = sorted(conf.alert_webhooks())
+        if self.alert_webhook and self.alert_webhook not in names:
+            errors["alert_webhook"] = (
+                f"{self.alert_webhook[:100]!r} is not one of the site's webhooks "
+                f"(DISPATCH_ALERT_WEBHOOKS: {', '.join(names) or 'none configured'})."
+            )
+        if errors:
+            raise ValidationError(errors)
 
 
 class AlertKind(models.TextChoices):
@@ -158,3 +189,27 @@ class Alert(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.binding_name} via {self.notifier}"
+
+
+class BindingMetrics(models.Model):
+    """Cumulative counters of a binding's finished runs, for the site's metrics: runs by
+    final status, attempts by outcome, rows read and written, and the buckets of two
+    histograms (attempt duration, queue wait). Folded in by the maintenance loop from the
+    runs finished since its cursor, in the transaction that moves the cursor, so each
+    finished run is counted once (`dispatch.binding_metrics`). They survive worker
+    restarts and retention; deleting the binding deletes them."""
+
+    binding = models.OneToOneField(
+        "dispatch.JobBinding", on_delete=models.CASCADE, primary_key=True, related_name="metrics"
+    )
+    # {"runs": {status: n}, "attempts": {outcome: n}, "rows_read": n, "rows_written": n,
+    #  "duration": [n per bucket], "duration_sum": s, "wait": [...], "wait_sum": s}
+    counters = models.JSONField(default=dict)
+    updated_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        verbose_name = "binding metrics"
+        verbose_name_plural = "binding metrics"
+
+    def __str__(self) -> str:
+        return f"metrics of {self.binding_id}"

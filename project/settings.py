@@ -7,7 +7,9 @@ environment variables win over it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import environ
 from django.core.exceptions import ImproperlyConfigured
@@ -24,6 +26,20 @@ def _float(name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
+
+
+def _json(name: str, default: Any) -> Any:
+    raw = env.str(name, default="")
+    if not raw.strip():
+        return default
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        # The position only: the value may hold a secret.
+        raise ImproperlyConfigured(
+            f"{name} must be JSON (line {getattr(exc, 'lineno', '?')}, "
+            f"column {getattr(exc, 'colno', '?')})"
+        ) from None
 
 
 DEBUG = env.bool("DEBUG", default=False)
@@ -210,9 +226,15 @@ DISPATCH_AUTO_DISABLE_DAYS = _float("DISPATCH_AUTO_DISABLE_DAYS", 7.0)
 DISPATCH_ALERT_WEBHOOK_URL = env.str("DISPATCH_ALERT_WEBHOOK_URL", default="")
 DISPATCH_ALERT_WEBHOOK_SECRET = env.str("DISPATCH_ALERT_WEBHOOK_SECRET", default="")
 DISPATCH_ALERT_RATE_LIMIT = env.int("DISPATCH_ALERT_RATE_LIMIT", default=10)
+# Named webhooks a binding may pick for its alerts, as JSON:
+# {"team-a": {"url": "https://...", "secret": "..."}} (system check dispatch.E014).
+DISPATCH_ALERT_WEBHOOKS = _json("DISPATCH_ALERT_WEBHOOKS", {})
 ADMINS = [("", a.strip()) for a in env.str("DISPATCH_ADMINS", default="").split(",") if a.strip()]
 DISPATCH_METRICS_PATH = env.str("DISPATCH_METRICS_PATH", default="metrics")
 DISPATCH_METRICS_TOKEN = env.str("DISPATCH_METRICS_TOKEN", default="")
+# Each runworker's own metrics port (0: none); loopback unless told otherwise.
+DISPATCH_WORKER_METRICS_PORT = env.int("DISPATCH_WORKER_METRICS_PORT", default=0)
+DISPATCH_WORKER_METRICS_ADDR = env.str("DISPATCH_WORKER_METRICS_ADDR", default="127.0.0.1")
 
 LOG_LEVEL = env.str("LOG_LEVEL", default="INFO")
 LOGGING = {

@@ -238,3 +238,83 @@ def test_alerts__an_unreachable_webhook_gives_up_after_the_last_attempt() -> Non
     assert (alert.status, alert.attempts) == (AlertStatus.FAILED, 2)
     assert "webhook at 127.0.0.1:9 unreachable" in alert.last_error
     assert alerts.drain() == 0  # given up: not sent again
+
+
+def test_alerts__a_bindings_named_webhook_instead_of_the_sites_default(
+    hook: str, admin_client: Any
+) -> None:
+    """A binding picks one of the site's named webhooks (never a URL of its own): its
+    alerts go there, signed with that webhook's secret; other bindings keep the default."""
+    Hook.answers = []
+    team_secret = "team-secret-93ad"
+    with override_settings(
+        **{**BASE, "DISPATCH_ALERT_NOTIFIERS": ["webhook"]},
+        DISPATCH_ALERT_WEBHOOK_URL="http://127.0.0.1:9/default",  # nobody listens
+        DISPATCH_ALERT_WEBHOOKS={"team-a": {"url": hook, "secret": team_secret}},
+        DISPATCH_ALERT_MAX_ATTEMPTS=1,
+    ):
+        mine, other = BindingFactory(), BindingFactory()
+        page = admin_client.get(f"/admin/dispatch/jobbinding/{mine.pk}/change/").content.decode()
+        assert '<option value="team-a">team-a</option>' in page
+        BindingHealth.objects.create(binding=mine, alert_webhook="team-a")
+        run = finish(mine, "FAILED")
+        finish(other, "FAILED")
+        alerts.scan()
+        assert alerts.drain() == 1
+        assert sorted(Alert.objects.values_list("binding_id", "notifier", "status")) == sorted(
+            [
+                (mine.pk, "webhook:team-a", AlertStatus.SENT),
+                (other.pk, "webhook", AlertStatus.FAILED),
+            ]
+        )
+        # A name the site no longer has: a clear error on the alert, nothing sent.
+        with override_settings(DISPATCH_ALERT_WEBHOOKS={}):
+            finish(mine, "FAILED")
+            alerts.scan()
+            alerts.drain()
+            latest = Alert.objects.filter(binding_id=mine.pk).order_by("-created_at").first()
+            assert latest is not None and latest.status == AlertStatus.FAILED
+            assert "webhook 'team-a' is not in DISPATCH_ALERT_WEBHOOKS" in latest.last_error
+    ((headers, body),) = Hook.received
+    scheme = dict(part.split("=", 1) for part in headers["X-Dispatch-Signature"].split(","))
+    expected = hmac.new(
+        team_secret.encode(), scheme["t"].encode() + b"." + body, hashlib.sha256
+    ).hexdigest()
+    assert hmac.compare_digest(scheme["v1"], expected)
+    assert json.loads(body)["run_id"] == str(run.id)
+
+
+@override_settings(DISPATCH_ALERT_WEBHOOKS={"team-a": {"url": "https://hooks.example/a"}})
+def test_alerts__binding_alert_settings_validated_naming_the_field() -> None:
+    from django.core.exceptions import ValidationError
+
+    b = BindingFactory()
+    with pytest.raises(ValidationError) as bad_hook:
+        BindingHealth(binding=b, alert_webhook="https://evil.example/").full_clean()
+    assert "is not one of the site's webhooks (DISPATCH_ALERT_WEBHOOKS: team-a)" in str(
+        bad_hook.value.message_dict["alert_webhook"]
+    )
+    with pytest.raises(ValidationError) as bad_mail:
+        BindingHealth(binding=b, alert_emails="ops@example.com, not-an-address").full_clean()
+    assert "'not-an-address' is not an email address" in str(
+        bad_mail.value.message_dict["alert_emails"]
+    )
+    BindingHealth(binding=b, alert_webhook="team-a", alert_emails="a@example.com").full_clean()
+
+
+def test_alerts__malformed_named_webhooks_fail_a_system_check() -> None:
+    from dispatch.checks import check_alert_webhooks
+
+    with override_settings(
+        DISPATCH_ALERT_WEBHOOKS={
+            "ok": {"url": "https://hooks.example/ok", "secret": "s"},
+            "no-host": {"url": "file:///etc/passwd"},
+            "extra": {"url": "https://u:p@hooks.example/", "token": "x"},
+        }
+    ):
+        errors = check_alert_webhooks()
+    assert [e.id for e in errors] == ["dispatch.E014", "dispatch.E014"]
+    messages = " ".join(e.msg for e in errors)
+    assert "['no-host']: its url must be an http(s) URL with a host" in messages
+    assert "['extra']: it must be a dict with the keys" in messages
+    assert "u:p@" not in messages

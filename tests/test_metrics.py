@@ -74,3 +74,93 @@ def test_metrics__series_after_a_few_runs(client):
     assert got[("dispatch_listen_unhealthy_workers", ())] == 1
     assert ("dispatch_table_dead_tuples", (("table", "dispatch_run"),)) in got
     assert not any(str(done.id) in str(key) for key in got)  # no run ids as labels
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(DISPATCH_HEALTH_SCAN_LAG=0.0)
+def test_metrics__counters_and_histograms_folded_once_from_finished_runs(client):
+    from datetime import timedelta
+
+    from dispatch import binding_metrics
+    from dispatch.models import Attempt
+
+    b = BindingFactory(name="b-fold")
+    other = BindingFactory(name="b-other")
+    ok = trigger(b)
+    [c] = claims.claim("w-f", run_id=ok.id, limit=1, generic=False)
+    claims.settle(c.attempt_id, c.lease_token, "SUCCEEDED", rows_read=40, rows_written=39)
+    # Known times: waited 0.3 s (le 0.5, not 0.25), ran 2 s (le 2.5, not 1).
+    Attempt.objects.filter(pk=c.attempt_id).update(
+        claimed_at=Attempt.objects.get(pk=c.attempt_id).available_at + timedelta(seconds=0.3)
+    )
+    a = Attempt.objects.get(pk=c.attempt_id)
+    Attempt.objects.filter(pk=a.pk).update(finished_at=a.claimed_at + timedelta(seconds=2))
+    bad = trigger(b)
+    [c] = claims.claim("w-f", run_id=bad.id, limit=1, generic=False)
+    claims.settle(c.attempt_id, c.lease_token, "PERMANENT", reason="PERMANENT_ERROR")
+    trigger(other)  # live: counted when it finishes, not before
+
+    assert binding_metrics.fold() == 2
+    assert binding_metrics.fold() == 0  # nothing twice
+    client.force_login(User.objects.create_user("staff2", is_staff=True))
+    got = samples(client.get("/metrics").content.decode())
+    bl = ("binding", "b-fold")
+    assert got[("dispatch_runs_finished_total", (bl, ("status", "SUCCEEDED")))] == 1
+    assert got[("dispatch_runs_finished_total", (bl, ("status", "FAILED")))] == 1
+    assert got[("dispatch_attempts_finished_total", (bl, ("status", "SUCCEEDED")))] == 1
+    assert got[("dispatch_rows_read_total", (bl,))] == 40
+    assert got[("dispatch_rows_written_total", (bl,))] == 39
+    assert got[("dispatch_run_duration_seconds_count", (bl,))] == 2
+    assert got[("dispatch_run_duration_seconds_bucket", (bl, ("le", "1.0")))] == 1  # the failed
+    assert got[("dispatch_run_duration_seconds_bucket", (bl, ("le", "2.5")))] == 2
+    assert got[("dispatch_queue_wait_seconds_bucket", (bl, ("le", "0.25")))] <= 1
+    assert got[("dispatch_queue_wait_seconds_bucket", (bl, ("le", "0.5")))] == 2
+    assert got[("dispatch_queue_wait_seconds_bucket", (bl, ("le", "+Inf")))] == 2
+    assert 2.0 <= got[("dispatch_run_duration_seconds_sum", (bl,))] < 3.0
+    assert not any(k[1] and ("binding", "b-other") in k[1] for k in got if "finished" in k[0])
+    assert got[("dispatch_bindings_by_health", (("state", "OK"),))] == 0  # no scan ran
+
+
+@pytest.mark.django_db(transaction=True)
+def test_metrics__two_folds_at_once_take_turns_and_count_nothing_twice():
+    """The second fold waits on the cursor's row lock, then starts from the cursor the
+    first committed with its counters."""
+    import threading
+
+    from dispatch import binding_metrics
+    from dispatch.ops_models import BindingMetrics, OpsState
+    from tests.conftest import wait_until
+    from tests.helpers import in_threads, raw_connection
+
+    with override_settings(DISPATCH_HEALTH_SCAN_LAG=0.0):
+        b = BindingFactory(name="b-twice")
+        for _ in range(3):
+            run = trigger(b)
+            [c] = claims.claim("w-t", run_id=run.id, limit=1, generic=False)
+            claims.settle(c.attempt_id, c.lease_token, "SUCCEEDED")
+        OpsState.objects.get_or_create(key=binding_metrics.KEY)
+        holder = raw_connection()
+        holder.autocommit = False
+        holder.execute("SELECT 1 FROM dispatch_opsstate WHERE key = 'metrics' FOR UPDATE")
+        results: list[list[int]] = []
+        folding = threading.Thread(
+            target=lambda: results.append(in_threads(2, lambda i: binding_metrics.fold()))
+        )
+        folding.start()
+        with raw_connection() as probe:
+            probe.autocommit = True  # pg_stat_activity is read afresh each time
+            wait_until(
+                lambda: (
+                    probe.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                        " AND wait_event_type = 'Lock' AND query LIKE '%dispatch_opsstate%'"
+                    ).fetchone()[0]
+                    == 2
+                ),
+                message="both folds waiting on the cursor's row",
+            )
+        holder.commit()
+        holder.close()
+        folding.join(30)
+    assert sorted(results[0]) == [0, 3]
+    assert BindingMetrics.objects.get(binding=b).counters["runs"] == {"SUCCEEDED": 3}

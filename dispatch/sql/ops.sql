@@ -130,3 +130,20 @@ SELECT stats FROM dispatch_worker
 SELECT relname::text, n_live_tup, n_dead_tup FROM pg_stat_user_tables
  WHERE relname IN ('dispatch_run', 'dispatch_attempt', 'dispatch_worker', 'dispatch_alert')
  ORDER BY relname;
+
+-- name: metrics_binding_counters
+-- The folded counters of at most %(limit)s bindings (primary keys of both tables).
+SELECT b.name, m.counters FROM dispatch_bindingmetrics m
+  JOIN dispatch_jobbinding b ON b.id = m.binding_id
+ ORDER BY b.name
+ LIMIT %(limit)s;
+
+-- name: metrics_binding_health
+-- One row per binding with a health row: as many as bindings.
+SELECT state, count(*) FROM dispatch_bindinghealth GROUP BY state;
+
+-- name: metrics_alerts_last_day
+-- Index dispatch_alert_created_idx: a range of one day.
+SELECT status, kind, count(*) FROM dispatch_alert
+ WHERE created_at > now() - interval '1 day'
+ GROUP BY status, kind;

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -9,9 +10,11 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import OperationalError
 from django.utils.module_loading import import_string
 
-from dispatch import conf, deadline, maintenance, site_checks
+from dispatch import conf, deadline, maintenance, metrics, site_checks
 from dispatch.coordinator import WorkerDispatchCoordinator
 from dispatch.worker_logging import ensure_worker_logging
+
+log = logging.getLogger("dispatch.worker")
 
 
 class Command(BaseCommand):
@@ -38,6 +41,19 @@ class Command(BaseCommand):
             help="exit once nothing is claimable now and executions have finished",
         )
         parser.add_argument(
+            "--metrics-port",
+            type=int,
+            default=None,
+            help="serve this worker's Prometheus metrics on this port "
+            "(default DISPATCH_WORKER_METRICS_PORT; 0: none)",
+        )
+        parser.add_argument(
+            "--metrics-addr",
+            default=None,
+            help="the address the metrics port binds to (default "
+            "DISPATCH_WORKER_METRICS_ADDR, 127.0.0.1)",
+        )
+        parser.add_argument(
             "--no-maintenance",
             action="store_true",
             help="do not run the maintenance loop (retention) in this "
@@ -49,6 +65,13 @@ class Command(BaseCommand):
             raise CommandError("--concurrency must be at least 1.")
         if options["poll_interval"] is not None and options["poll_interval"] <= 0:
             raise CommandError("--poll-interval must be positive.")
+        port = (
+            conf.worker_metrics_port()
+            if options["metrics_port"] is None
+            else options["metrics_port"]
+        )
+        if not 0 <= port <= 65535:
+            raise CommandError(f"--metrics-port must be from 0 to 65535, got {port}.")
         ensure_worker_logging()
         # Before the first connection: every one of this process is bounded.
         deadline.bound_worker_sessions(conf.coordination_timeout())
@@ -67,6 +90,20 @@ class Command(BaseCommand):
             burst=options["burst"],
             background=background,
         )
+        if port:
+            addr = options["metrics_addr"] or conf.worker_metrics_addr()
+            try:
+                server = metrics.serve_worker_metrics(coordinator, port, addr)
+            except OSError as exc:
+                raise CommandError(
+                    f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}"
+                ) from None
+            log.info(
+                "worker metrics on http://%s:%d/metrics worker=%s",
+                addr,
+                server.server_address[1],
+                coordinator.worker_id,
+            )
         coordinator.run()
 
     def _preflight(self) -> None:
