@@ -159,6 +159,8 @@ class WorkerDispatchCoordinator:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._listen: psycopg.Connection[Any] | None = None
+        # A thread opening the LISTEN connection, and what it hands over.
+        self._listen_opening: tuple[threading.Thread, dict[str, Any]] | None = None
         self._listen_retry_at = 0.0
         self._listen_backoff = 0.5
         self.probe = listen.ListenProbe(
@@ -323,6 +325,7 @@ class WorkerDispatchCoordinator:
             stats = dict(self.stats)
         stats.update(self.probe.stats())  # the LISTEN state as it was while running
         self._close_listen()
+        self._abandon_listen_opening()
         try:
             with connection.cursor() as cursor:
                 cursor.execute(
@@ -629,19 +632,58 @@ class WorkerDispatchCoordinator:
                 services.notify(c.run_id)
 
     # --- notifications ----------------------------------------------------------------------
-    def _listen_connect(self) -> None:
-        conn = listen.connect(f"dispatch-listen {self.worker_id}")
-        try:
-            with deadline.guarded(conn, "listen", self.coordination_timeout):
-                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(conf.channel())))
-                self.probe.connected(conn)
-        except BaseException:
-            conn.close()
-            raise
-        self._listen = conn
+    def _listen_open_in_background(self) -> None:
+        """Open the LISTEN connection on a thread of its own. Connecting to a host that
+        swallows packets waits up to `connect_timeout`; on the main thread that wait would
+        stop claims, settlements' reaping and recovery, while the worker says it polls.
+        The thread hands the connection over (or the error) and wakes the main loop."""
+        box: dict[str, Any] = {}
+        channel = conf.channel()
+
+        def open_listening() -> None:
+            deadline.set_thread_limit(self.coordination_timeout)
+            try:
+                conn = listen.connect(f"dispatch-listen {self.worker_id}")
+                try:
+                    with deadline.guarded(conn, "listen", self.coordination_timeout):
+                        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                        box["proxied"] = self.probe.listen_on(conn)
+                except BaseException:
+                    conn.close()
+                    raise
+                box["conn"] = conn
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                box["error"] = exc
+            finally:
+                self._wake()
+
+        thread = threading.Thread(target=open_listening, name="dispatch-listen-open", daemon=True)
+        self._listen_opening = (thread, box)
+        thread.start()
+
+    def _listen_adopt(self) -> bool:
+        """Take the connection the opening thread made (True), or start one when the
+        backoff allows; False while none is ready."""
+        if self._listen_opening is None:
+            if time.monotonic() >= self._listen_retry_at:
+                self._listen_open_in_background()
+            return False
+        thread, box = self._listen_opening
+        if thread.is_alive():
+            return False
+        self._listen_opening = None
+        error = box.get("error")
+        if error is not None:
+            if not isinstance(error, (psycopg.Error, OSError, deadline.DeadlineExceeded)):
+                raise error
+            self._listen_lost(error)
+            return False
+        self._listen = box["conn"]
+        self.probe.adopted(box["proxied"])
         self._listen_backoff = 0.5
         self._refill = True  # once listening again, one generic pass
         log.info("listening worker=%s channel=%s", self.worker_id, conf.channel())
+        return True
 
     def _close_listen(self) -> None:
         if self._listen is not None:
@@ -649,6 +691,16 @@ class WorkerDispatchCoordinator:
                 self._listen.close()
             self._listen = None
         self.probe.disconnected()
+
+    def _abandon_listen_opening(self) -> None:
+        """At shutdown: close what an opening thread made; one still connecting is a
+        daemon thread that ends with the process."""
+        if self._listen_opening is not None:
+            thread, box = self._listen_opening
+            if not thread.is_alive() and "conn" in box:
+                with contextlib.suppress(Exception):
+                    box["conn"].close()
+            self._listen_opening = None
 
     def _tick_probe(self, now: float) -> None:
         """The LISTEN self-probe: a missed probe reconnects (or, behind a transaction
@@ -674,12 +726,7 @@ class WorkerDispatchCoordinator:
         if self._listen is None:
             if self.probe.state is listen.ListenState.POOLED:
                 return []  # polling only: the LISTEN URL is a transaction pooler
-            if time.monotonic() < self._listen_retry_at:
-                return []
-            try:
-                self._listen_connect()
-            except (psycopg.Error, OSError, deadline.DeadlineExceeded) as exc:
-                self._listen_lost(exc)
+            if not self._listen_adopt():
                 return []
         assert self._listen is not None
         pgconn = self._listen.pgconn
@@ -732,7 +779,8 @@ class WorkerDispatchCoordinator:
         elif self._drain_deadline is not None:
             deadlines.append(self._drain_deadline)
         if self._listen is None:
-            if self.probe.state is not listen.ListenState.POOLED:
+            # While a thread opens it, its end wakes the loop (no deadline to keep).
+            if self.probe.state is not listen.ListenState.POOLED and self._listen_opening is None:
                 deadlines.append(self._listen_retry_at)
         elif (probe_at := self.probe.next_deadline()) is not None:
             deadlines.append(probe_at)

@@ -76,7 +76,8 @@ class ListenState(enum.Enum):
     STARTING = "starting"
     # The last probe (or a wake-up) arrived.
     OK = "ok"
-    # A probe did not come back on a direct connection: the worker reconnects and polls.
+    # A probe did not come back on a direct connection: the worker dropped it and
+    # reconnects, polling meanwhile; it stays so until a new connection is up.
     SILENT = "silent"
     # The LISTEN URL is a transaction-pooling proxy: no LISTEN, polling only.
     POOLED = "pooled"
@@ -112,16 +113,29 @@ class ListenProbe:
     def connected(self, conn: psycopg.Connection[Any]) -> None:
         """The LISTEN connection is up: listen on the probe channel, look for a proxy, and
         send the start-up probe at the next tick."""
+        self.adopted(self.listen_on(conn))
+
+    def listen_on(self, conn: psycopg.Connection[Any]) -> bool:
+        """The I/O of `connected` (any thread; it touches no state of the probe): listen
+        on the probe channel; True if the connection ends at a proxy."""
         from psycopg import sql
 
         conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
-        self.proxy = through_proxy(conn)
+        return through_proxy(conn)
+
+    def adopted(self, proxied: bool) -> None:
+        """The state side of `connected` (the worker's main thread)."""
+        self.proxy = proxied
         self.state = ListenState.STARTING
         self._sent_at = None
         self._quiet_since = -float("inf")  # probe at once: the start-up self-check
 
     def disconnected(self) -> None:
-        if self.state is not ListenState.POOLED:
+        # A missed probe's verdict outlives the connection it judged: the worker closes
+        # that connection right after `tick()` says SILENT, and overwriting it here would
+        # report a silently broken path (wake-ups swallowed, nothing erroring) as a mere
+        # "disconnected" on every heartbeat, console and health check.
+        if self.state not in (ListenState.POOLED, ListenState.SILENT):
             self.state = ListenState.DISCONNECTED
         self._sent_at = None
 

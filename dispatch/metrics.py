@@ -28,10 +28,12 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from dispatch import binding_metrics, conf
+from dispatch.listen import ListenState, probe_report
 from dispatch.ops_models import HealthState
 from dispatch.sqlfiles import ops_query
 
 MAX_BINDINGS = 200
+LISTEN_UNHEALTHY = (ListenState.SILENT.value, ListenState.DISCONNECTED.value)
 # Worker counters (dispatch_worker.stats) exported, summed over live workers.
 WORKER_EVENTS = (
     "claims_generic",
@@ -114,7 +116,9 @@ class DispatchCollector:
             stats = json.loads(stats) if isinstance(stats, str) else (stats or {})
             for event in WORKER_EVENTS:
                 totals[event] += int(stats.get(event, 0) or 0)
-            if "listen_healthy" in stats and not stats.get("listen_healthy"):
+            # As `workerhealth --require-listen` judges: wake-ups stopped arriving (a
+            # worker still starting, or polling behind a pooler by design, is not).
+            if probe_report(stats).state in LISTEN_UNHEALTHY:
                 unhealthy += 1
         workers.add_metric([], len(rows))
         for event in WORKER_EVENTS:

@@ -47,7 +47,9 @@ def test_metrics__series_after_a_few_runs(client):
         cursor.execute(
             "INSERT INTO dispatch_worker (id, host, pid, concurrency, stats) VALUES"
             " ('w-m', 'h', 1, 2, '{\"claims_directed\": 3, \"directed_hits\": 3,"
-            ' "fenced_commits": 1, "listen_healthy": 0}\')'
+            ' "fenced_commits": 1, "listen_healthy": 0, "listen_state": 2}\'),'
+            # Still starting (its first probe not back yet): not counted as unhealthy.
+            " ('w-s', 'h', 2, 1, '{\"listen_healthy\": 0, \"listen_state\": 0}')"
         )
     client.force_login(User.objects.create_user("staff", is_staff=True))
     response = client.get("/metrics")
@@ -68,7 +70,7 @@ def test_metrics__series_after_a_few_runs(client):
         == 1
     )
     assert got[("dispatch_oldest_wait_seconds", ())] >= 0
-    assert got[("dispatch_live_workers", ())] == 1
+    assert got[("dispatch_live_workers", ())] == 2
     assert got[("dispatch_worker_events", (("event", "directed_hits"),))] == 3
     assert got[("dispatch_worker_events", (("event", "fenced_commits"),))] == 1
     assert got[("dispatch_listen_unhealthy_workers", ())] == 1
