@@ -253,3 +253,31 @@ def test_prune__under_running_workers_deletes_only_finished_unprotected_runs(
         assert proc.poll() is None
         out = processes.output(proc)
         assert "lease lost" not in out and "outcome not recorded" not in out, out[-3000:]
+
+
+def test_prune__never_deletes_a_run_the_health_scan_or_the_metrics_fold_has_not_read():
+    """R5: a failed run pruned before the health scan read it would never alert, and one
+    pruned before the metrics fold would never be counted."""
+    from dispatch import alerts, binding_metrics
+    from dispatch.ops_models import OpsState
+
+    b = BindingFactory()
+    read = finished_run(b, Status.FAILED, 100)
+    unread = finished_run(b, Status.FAILED, 95)
+    finished_run(b, Status.SUCCEEDED, 0)
+    cursor_at = Run.objects.values_list("finished_at", flat=True).get(pk=read.pk)
+    # The scan has read up to `read`; the fold up to `unread`: the older cursor rules.
+    OpsState.objects.create(
+        key=alerts.SCAN_KEY, data={"after_at": cursor_at.isoformat(), "after_id": str(read.pk)}
+    )
+    OpsState.objects.create(
+        key=binding_metrics.KEY,
+        data={"after_at": (cursor_at + timedelta(days=5)).isoformat(), "after_id": "x"},
+    )
+    report = retention.prune()
+    assert report.total_runs == 0 and exists(read) and exists(unread)
+    OpsState.objects.filter(key=alerts.SCAN_KEY).update(
+        data={"after_at": (cursor_at + timedelta(days=1)).isoformat(), "after_id": "x"}
+    )
+    report = retention.prune()
+    assert report.total_runs == 1 and not exists(read) and exists(unread)

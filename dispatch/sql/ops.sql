@@ -56,6 +56,13 @@ SELECT r.id, r.finished_at
    AND (r.schedule_id IS NULL
         OR EXISTS (SELECT 1 FROM dispatch_run n
                     WHERE n.schedule_id = r.schedule_id AND n.scheduled_for > r.scheduled_for))
+   -- R5, not yet read by the health scan (failure alerts, auto-disable) or the metrics
+   -- fold: strictly before the older of their cursors (one read of two rows, an
+   -- uncorrelated InitPlan). A task that never ran has no cursor and holds nothing back.
+   AND r.finished_at < coalesce(
+         (SELECT min((o.data->>'after_at')::timestamptz) FROM dispatch_opsstate o
+           WHERE o.key IN ('health', 'metrics') AND o.data ? 'after_at'),
+         'infinity')
  ORDER BY r.created_at
  LIMIT %(limit)s
    FOR UPDATE OF r SKIP LOCKED;
