@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from django import forms
 from django.contrib import admin
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
@@ -38,7 +39,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.safestring import SafeString
 from django.views.decorators.debug import sensitive_post_parameters
 
-from dispatch import services, sqlperm
+from dispatch import conf, services, sqlperm
 from dispatch.admin_views import (
     ORIGIN_LABEL,
     ActionRefused,
@@ -540,32 +541,56 @@ class BindingInline(admin.TabularInline):  # type: ignore[type-arg]
         return super().get_queryset(request).select_related("source", "sink", "job")
 
 
+class BindingAlertsForm(forms.ModelForm):  # type: ignore[type-arg]
+    """The alert settings of a binding's health row. Saving writes those fields only: the
+    rest of the row is the health scan's, which may have moved it (warned, disabled)
+    since this page was loaded, and must not be written back from the page."""
+
+    class Meta:
+        model = BindingHealth
+        fields = list(BindingHealth.SETTINGS_FIELDS)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        names = sorted(conf.alert_webhooks())
+        choices = [("", "the site's default webhook, if any"), *((n, n) for n in names)]
+        stored = self.instance.alert_webhook if self.instance.pk else ""
+        if stored and stored not in names:
+            choices.append((stored, f"{stored} (no longer configured: its alerts fail)"))
+        field = BindingHealth._meta.get_field("alert_webhook")
+        self.fields["alert_webhook"] = forms.ChoiceField(
+            choices=choices, required=False, label="Alert webhook", help_text=field.help_text
+        )
+
+    def save(self, commit: bool = True) -> BindingHealth:
+        health = self.instance
+        values = {f: getattr(health, f) for f in BindingHealth.SETTINGS_FIELDS}
+        if not commit:
+            return health
+        if health._state.adding:
+            # As the health scan's first pass does: the streak counts every run.
+            row, _ = BindingHealth.objects.get_or_create(
+                binding_id=health.binding_id,
+                defaults={"counted_since": health.binding.created_at, **values},
+            )
+            health.pk = row.pk
+            health._state.adding = False
+        BindingHealth.objects.filter(pk=health.pk).update(**values)
+        return health
+
+
 class BindingAlertsInline(admin.StackedInline):  # type: ignore[type-arg]
     """A binding's alert settings (its health row; the state itself is the health
     scan's, shown read-only on the binding). The webhook is chosen among the site's named
     ones: a binding never names a host of its own."""
 
     model = BindingHealth
-    fields = ["alert_emails", "alert_webhook", "alerts_muted"]
+    form = BindingAlertsForm
+    fields = list(BindingHealth.SETTINGS_FIELDS)
     verbose_name = "alert settings"
     verbose_name_plural = "alert settings"
     max_num = 1
     can_delete = False
-
-    def formfield_for_dbfield(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
-        if db_field.name == "alert_webhook":
-            from django import forms
-
-            from dispatch import conf
-
-            names = sorted(conf.alert_webhooks())
-            return forms.ChoiceField(
-                choices=[("", "the site's default webhook, if any"), *((n, n) for n in names)],
-                required=False,
-                label="Alert webhook",
-                help_text=db_field.help_text,
-            )
-        return super().formfield_for_dbfield(db_field, request, **kwargs)
 
 
 @admin.register(Job)
@@ -645,14 +670,6 @@ class JobBindingAdmin(ConsoleAdmin):
     def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
         sqlperm.guard_binding_save(request, obj, change)
         super().save_model(request, obj, form, change)
-
-    def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
-        for inline_form in formset.forms:
-            health = inline_form.instance
-            if isinstance(health, BindingHealth) and health._state.adding:
-                # As the health scan's first pass does: the streak counts every run.
-                health.counted_since = form.instance.created_at
-        super().save_formset(request, form, formset, change)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[JobBinding]:
         latest = Run.objects.filter(binding=OuterRef("pk")).order_by("-created_at")

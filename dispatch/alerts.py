@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import http.client
 import json
 import logging
 import time
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
@@ -53,7 +54,6 @@ log = logging.getLogger("dispatch.alerts")
 SCAN_KEY = "health"
 # Runs read per scan pass at most (the rest waits for the next pass).
 SCAN_BATCH = 1000
-SCAN_MAX_BATCHES = 20
 # Alerts leased per drain pass, and how long a lease keeps others off an alert.
 DRAIN_BATCH = 20
 LEASE_SECONDS = 120.0
@@ -93,19 +93,26 @@ def maybe_scan_and_drain() -> tuple[ScanReport, int] | None:
     if not begin_pass(SCAN_KEY, conf.health_interval()):
         return None
     report = scan()
-    binding_metrics.fold()
-    return report, drain()
+    sent = drain()
+    # Last, and on its own: a fold that fails or catches up on a long history neither
+    # delays nor stops the alerts.
+    try:
+        binding_metrics.fold()
+    except DatabaseError as exc:
+        log.warning("metrics fold failed, retried next pass: %s", " ".join(str(exc).split()))
+    return report, sent
 
 
-def scan(*, now: datetime | None = None) -> ScanReport:
-    """One pass: the runs finished since the last one (in batches of `SCAN_BATCH`, at
-    most `SCAN_MAX_BATCHES`, so a busy site is caught up within a pass or two), then the
-    time-based thresholds. Idempotent: a pass over runs already seen changes nothing and
-    enqueues nothing."""
+def scan(*, now: datetime | None = None, budget: float | None = None) -> ScanReport:
+    """One pass: the runs finished since the last one, in batches of `SCAN_BATCH` for as
+    long as they come back full and at most `budget` seconds (default: half a health
+    interval), then the time-based thresholds. Idempotent: a pass over runs already seen
+    changes nothing and enqueues nothing."""
     report = ScanReport()
-    for _ in range(SCAN_MAX_BATCHES):
-        if _scan_batch(report) < SCAN_BATCH:
-            break
+    budget = conf.health_interval() / 2 if budget is None else budget
+    until = time.monotonic() + budget
+    while _scan_batch(report) == SCAN_BATCH and time.monotonic() < until:
+        pass
     _scan_failing(report)
     if report.warned or report.disabled or report.recovered or report.alerts:
         log.info(
@@ -132,7 +139,12 @@ def _scan_batch(report: ScanReport) -> int:
         finished_at__lte=Now() - timedelta(seconds=conf.health_scan_lag()),
     )
     if after_at:
-        q &= Q(finished_at__gt=after_at) | Q(finished_at=after_at, id__gt=after_id)
+        # The lower bound is the index condition (dispatch_run_finished_idx); the OR only
+        # breaks ties at the cursor's instant. Without it every batch read the history
+        # before the cursor.
+        q &= Q(finished_at__gte=after_at) & (
+            Q(finished_at__gt=after_at) | Q(finished_at=after_at, id__gt=after_id)
+        )
     runs = list(
         Run.objects.filter(q)
         .order_by("finished_at", "id")
@@ -500,6 +512,17 @@ def signature(secret: str, timestamp: str, body: bytes) -> str:
     return hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
 
 
+def webhook_host(url: str) -> str:
+    """The host (and port) of a webhook URL, for messages: never its path, query or
+    credentials, which may hold a token."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or "?"
+        return f"{host}:{parts.port}" if parts.port else host
+    except ValueError:
+        return "?"
+
+
 def _send_webhook(alert: Alert, url: str, secret: str) -> None:
     if not url:
         raise ValueError("DISPATCH_ALERT_WEBHOOK_URL is not set")
@@ -511,15 +534,21 @@ def _send_webhook(alert: Alert, url: str, secret: str) -> None:
     headers = {"Content-Type": "application/json", "User-Agent": "dispatch-alerts"}
     if secret:
         headers["X-Dispatch-Signature"] = f"t={timestamp},v1={signature(secret, timestamp, body)}"
-    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
-    host = urllib.parse.urlsplit(url).netloc.rsplit("@", 1)[-1]
+    host = webhook_host(url)
     try:
+        request = urllib.request.Request(url, data=body, headers=headers, method="POST")
         with urllib.request.urlopen(request, timeout=conf.alert_webhook_timeout()) as response:  # noqa: S310 - the site's own setting
             status = response.status
     except urllib.error.HTTPError as exc:
         raise RuntimeError(f"webhook at {host} answered HTTP {exc.code}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise RuntimeError(f"webhook at {host} unreachable: {reason}") from None
+    except urllib.error.URLError as exc:
+        # An OSError says what the network said; any other reason may quote the URL.
+        detail = f": {exc.reason}" if isinstance(exc.reason, OSError) else ""
+        raise RuntimeError(f"webhook at {host} unreachable{detail}") from None
+    except OSError as exc:
+        raise RuntimeError(f"webhook at {host} unreachable: {exc}") from None
+    except (ValueError, http.client.HTTPException) as exc:
+        # The messages of these quote the URL, which may carry a token: the kind only.
+        raise RuntimeError(f"webhook at {host} failed: {type(exc).__name__}") from None
     if not 200 <= status < 300:
         raise RuntimeError(f"webhook at {host} answered HTTP {status}")

@@ -1,39 +1,41 @@
 """Cumulative per-binding counters for the site's metrics (docs/operations.md, "Metrics").
 
-Run duration, queue wait and rows moved are facts of finished attempts. Counting them in
+Run duration, queue wait and rows moved are facts of settled attempts. Counting them in
 the worker would make them process counters (lost when a worker restarts, split over
 processes the site cannot see); counting them in the settlement would put a hot row per
-binding on the claim path. Instead the maintenance loop folds the runs finished since
-its cursor into one `BindingMetrics` row per binding: a keyset over `(finished_at, id)`
-on the run table's finished index, the attempts of those runs by their run index, and
-the counters and the cursor written in one transaction that first locks the cursor's row.
-So each finished run is counted exactly once whichever worker folds it, the counters only
-grow (Prometheus counters and histograms), and a scrape reads at most one row per binding.
+binding on the claim path. Instead the maintenance loop folds what finished since its
+cursors into one `BindingMetrics` row per binding: two keysets over `(finished_at, id)`,
+one over runs that reached a final status (runs by status: a run an operator retries
+counts again when it finishes again) and one over settled attempts (each attempt once:
+outcomes, rows, duration, wait), written with the cursors in one transaction that first
+locks the cursors' row. So nothing is counted twice whichever worker folds it, the
+counters only grow (Prometheus counters and histograms), and a scrape reads at most one
+row per binding.
 
 Like the health scan, the fold stays `DISPATCH_HEALTH_SCAN_LAG` seconds behind now: a
 settlement stamps `finished_at` before its commit. A settlement whose commit came later
-than that is never counted (it is not lost from the runs table, only from these counters).
+than that is never counted (it is not lost from the tables, only from these counters);
+the lag's default is above the coordination timeout, which bounds a settlement.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime
 from typing import Any
 
-from django.db import transaction
-from django.db.models import Q
+from django.db import connection, transaction
 from django.db.models.functions import Now
 
 from dispatch import conf
+from dispatch.sqlfiles import ops_query
 
 KEY = "metrics"
-# Runs folded per transaction, and transactions per maintenance pass.
+# Runs (and attempts) folded per transaction.
 BATCH = 2000
-MAX_BATCHES = 25
 # Histogram bounds, seconds (+Inf is the last bucket). Changing a tuple resets the
 # buckets stored with other bounds (each histogram keeps the bounds it was counted with).
 DURATION_BUCKETS: tuple[float, ...] = (
@@ -118,8 +120,15 @@ class Counters:
     def add_run(self, status: str) -> None:
         self.runs[status] = self.runs.get(status, 0) + 1
 
-    def add_attempt(self, row: Sequence[Any]) -> None:
-        _, status, available_at, claimed_at, finished_at, rows_read, rows_written = row
+    def add_attempt(
+        self,
+        status: str,
+        available_at: datetime,
+        claimed_at: datetime | None,
+        finished_at: datetime | None,
+        rows_read: int | None,
+        rows_written: int | None,
+    ) -> None:
         self.attempts[status] = self.attempts.get(status, 0) + 1
         self.rows_read += int(rows_read or 0)
         self.rows_written += int(rows_written or 0)
@@ -130,46 +139,60 @@ class Counters:
             self.duration.observe(max(0.0, (finished_at - claimed_at).total_seconds()))
 
 
-def fold(*, batch: int = BATCH, max_batches: int = MAX_BATCHES) -> int:
-    """Fold the runs finished since the cursor into the counters; returns how many.
-    Each batch is one transaction (the cursor row locked first, so two workers folding
-    at once take turns and neither counts a run twice)."""
+def fold(*, batch: int = BATCH, budget: float | None = None) -> int:
+    """Fold what finished since the cursors into the counters; returns how many runs and
+    attempts. Each batch is one transaction (the cursor's row locked first, so two
+    workers folding at once take turns and neither counts anything twice); batches go on
+    while they come back full, for at most `budget` seconds (default: half a health
+    interval), so a busy site is caught up pass by pass."""
+    budget = conf.health_interval() / 2 if budget is None else budget
+    until = time.monotonic() + budget
     total = 0
-    for _ in range(max_batches):
-        n = _fold_batch(batch)
+    while True:
+        n, full = _fold_batch(batch)
         total += n
-        if n < batch:
-            break
-    return total
+        if not full or time.monotonic() >= until:
+            return total
 
 
-def _fold_batch(limit: int) -> int:
-    from dispatch.models import Attempt, JobBinding, Run
+EPOCH = "-infinity"
+NO_ID = "00000000-0000-0000-0000-000000000000"
+
+
+def _fold_batch(limit: int) -> tuple[int, bool]:
+    """(runs + attempts folded, whether either batch came back full)."""
+    from dispatch.models import JobBinding
     from dispatch.ops_models import BindingMetrics, OpsState
 
     OpsState.objects.get_or_create(key=KEY)
-    with transaction.atomic():
+    with transaction.atomic(), connection.cursor() as cursor:
         state = OpsState.objects.select_for_update().get(key=KEY)
         data = state.data if isinstance(state.data, dict) else {}
-        q = Q(
-            finished_at__isnull=False,
-            finished_at__lte=Now() - timedelta(seconds=conf.health_scan_lag()),
+        lag = conf.health_scan_lag()
+        cursor.execute(
+            ops_query("fold_runs"),
+            {
+                "after_at": data.get("after_at") or EPOCH,
+                "after_id": data.get("after_id") or NO_ID,
+                "lag": lag,
+                "limit": limit,
+            },
         )
-        if data.get("after_at"):
-            q &= Q(finished_at__gt=data["after_at"]) | Q(
-                finished_at=data["after_at"], id__gt=data["after_id"]
-            )
-        runs = list(
-            Run.objects.filter(q)
-            .order_by("finished_at", "id")
-            .values_list("id", "binding_id", "status", "finished_at")[:limit]
+        runs = cursor.fetchall()
+        cursor.execute(
+            ops_query("fold_attempts"),
+            {
+                "after_at": data.get("attempts_after_at") or EPOCH,
+                "after_id": data.get("attempts_after_id") or NO_ID,
+                "lag": lag,
+                "limit": limit,
+            },
         )
-        if not runs:
-            return 0
-        binding_of = {run_id: binding_id for run_id, binding_id, _, _ in runs}
-        live = set(
-            JobBinding.objects.filter(pk__in=set(binding_of.values())).values_list("pk", flat=True)
-        )
+        attempts = cursor.fetchall()
+        if not runs and not attempts:
+            return 0, False
+        touched = {row[2] for row in runs} | {row[2] for row in attempts}
+        live = set(JobBinding.objects.filter(pk__in=touched).values_list("pk", flat=True))
         stored = {
             m.binding_id: m
             for m in BindingMetrics.objects.select_for_update().filter(binding_id__in=live)
@@ -177,21 +200,14 @@ def _fold_batch(limit: int) -> int:
         counters: dict[uuid.UUID, Counters] = {
             b: Counters.load(stored[b].counters if b in stored else None) for b in live
         }
-        for _, binding_id, status, _ in runs:
+        for _, _, binding_id, status in runs:
             if binding_id in counters:
                 counters[binding_id].add_run(status)
-        for row in Attempt.objects.filter(run_id__in=list(binding_of)).values_list(
-            "run_id",
-            "status",
-            "available_at",
-            "claimed_at",
-            "finished_at",
-            "rows_read",
-            "rows_written",
-        ):
-            binding_id = binding_of[row[0]]
+        for _, finished_at, binding_id, status, available_at, claimed_at, read, written in attempts:
             if binding_id in counters:
-                counters[binding_id].add_attempt(row)
+                counters[binding_id].add_attempt(
+                    status, available_at, claimed_at, finished_at, read, written
+                )
         for binding_id, c in counters.items():
             if binding_id in stored:
                 m = stored[binding_id]
@@ -200,9 +216,15 @@ def _fold_batch(limit: int) -> int:
                 m.save(update_fields=["counters", "updated_at"])
             else:
                 BindingMetrics.objects.create(binding_id=binding_id, counters=c.dump())
-        last_id, _, _, last_at = runs[-1]
-        assert last_at is not None  # the filter's
-        state.data = {**data, "after_at": last_at.isoformat(), "after_id": str(last_id)}
+        if runs:
+            data = {**data, "after_at": runs[-1][1].isoformat(), "after_id": str(runs[-1][0])}
+        if attempts:
+            data = {
+                **data,
+                "attempts_after_at": attempts[-1][1].isoformat(),
+                "attempts_after_id": str(attempts[-1][0]),
+            }
+        state.data = data
         state.updated_at = Now()
         state.save(update_fields=["data", "updated_at"])
-    return len(runs)
+    return len(runs) + len(attempts), len(runs) == limit or len(attempts) == limit

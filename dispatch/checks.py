@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.checks import Error, register
+from django.core.checks import Error, Warning, register
 
 from dispatch import conf
 
@@ -111,34 +111,55 @@ def check_time_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
     return errors
 
 
+def webhook_url_problem(url: Any) -> str:
+    """Why `url` cannot be a webhook's ("" if it can), never quoting it."""
+    from urllib.parse import urlsplit
+
+    text = str(url or "")
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in text):
+        return "its url holds whitespace or control characters"
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises for a malformed port
+    except ValueError:
+        return "its url does not parse"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "its url must be an http(s) URL with a host"
+    if parts.username is not None or parts.password is not None:
+        return "its url must not hold a user or password (send a token in the path or sign)"
+    return ""
+
+
 @register()
 def check_alert_webhooks(app_configs: Any = None, **kwargs: Any) -> list[Error]:
     """dispatch.E014: DISPATCH_ALERT_WEBHOOKS is not a mapping of names to
-    {"url": "http(s)://...", "secret": "..."}."""
-    from urllib.parse import urlsplit
-
+    {"url": "http(s)://...", "secret": "..."}, or a webhook URL (those, or
+    DISPATCH_ALERT_WEBHOOK_URL) cannot be used. Messages name the setting, never the URL:
+    it may hold a token."""
     from django.conf import settings
 
-    configured = getattr(settings, "DISPATCH_ALERT_WEBHOOKS", None) or {}
     hint = 'Set it to {"name": {"url": "https://...", "secret": "..."}, ...}.'
+    errors = []
+    default = getattr(settings, "DISPATCH_ALERT_WEBHOOK_URL", "") or ""
+    if default and (problem := webhook_url_problem(default)):
+        errors.append(
+            Error(f"DISPATCH_ALERT_WEBHOOK_URL: {problem}.", id="dispatch.E014"),
+        )
+    configured = getattr(settings, "DISPATCH_ALERT_WEBHOOKS", None) or {}
     if not isinstance(configured, dict):
         return [
+            *errors,
             Error("DISPATCH_ALERT_WEBHOOKS must be a dict.", hint=hint, id="dispatch.E014"),
         ]
-    errors = []
     for name, hook in configured.items():
         problem = ""
         if not isinstance(name, str) or not name or len(name) > 40 or ":" in name:
             problem = "its name must be 1 to 40 characters without ':'"
         elif not isinstance(hook, dict) or set(hook) - {"url", "secret"}:
             problem = 'it must be a dict with the keys "url" and (optionally) "secret"'
-        elif (
-            urlsplit(str(hook.get("url", ""))).scheme not in ("http", "https")
-            or not urlsplit(str(hook.get("url", ""))).hostname
-        ):
-            problem = "its url must be an http(s) URL with a host"
+        else:
+            problem = webhook_url_problem(hook.get("url"))
         if problem:
-            # The name only: the URL may carry credentials.
             errors.append(
                 Error(
                     f"DISPATCH_ALERT_WEBHOOKS[{str(name)[:40]!r}]: {problem}.",
@@ -147,3 +168,24 @@ def check_alert_webhooks(app_configs: Any = None, **kwargs: Any) -> list[Error]:
                 )
             )
     return errors
+
+
+@register()
+def check_scan_lag(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
+    """dispatch.W001: the health scan's lag is shorter than the coordination timeout, so a
+    settlement that commits late can fall behind the scan's cursor (no alert, no count)."""
+    from dispatch import conf
+
+    lag, timeout = conf.health_scan_lag(), conf.coordination_timeout()
+    if timeout > 0 and lag < timeout:
+        return [
+            Warning(
+                f"DISPATCH_HEALTH_SCAN_LAG ({lag:g} s) is shorter than "
+                f"DISPATCH_COORDINATION_TIMEOUT ({timeout:g} s): a run whose settlement "
+                "commits later than the lag is never seen by the health scan (no failure "
+                "alert) nor counted in the metrics.",
+                hint="Set DISPATCH_HEALTH_SCAN_LAG to at least the coordination timeout.",
+                id="dispatch.W001",
+            )
+        ]
+    return []

@@ -154,9 +154,10 @@ def health_interval() -> float:
 
 
 def health_scan_lag() -> float:
-    """Seconds the health scan stays behind now: a settlement stamps `finished_at` before
-    its commit, so a run that finished just now may not be visible yet."""
-    return float(getattr(settings, "DISPATCH_HEALTH_SCAN_LAG", 5.0))
+    """Seconds the health scan and the metrics fold stay behind now: a settlement stamps
+    `finished_at` before its commit, which comes at most the coordination timeout later
+    (system check dispatch.W001 warns below that)."""
+    return float(getattr(settings, "DISPATCH_HEALTH_SCAN_LAG", 15.0))
 
 
 def warn_failures() -> int:
@@ -202,6 +203,14 @@ def alert_webhooks() -> dict[str, dict[str, str]]:
         for name, v in dict(configured).items()
         if isinstance(v, dict)
     }
+
+
+def alert_email_domains() -> frozenset[str]:
+    """Domains a binding's own alert addresses must be at (empty: any)."""
+    domains = getattr(settings, "DISPATCH_ALERT_EMAIL_DOMAINS", ()) or ()
+    if isinstance(domains, str):
+        domains = domains.split(",")
+    return frozenset(d.strip().lower() for d in domains if d.strip())
 
 
 def alert_notifiers() -> list[str]:

@@ -77,6 +77,44 @@ class Execution:
     refilled: bool = False
 
 
+class _ListenOpening:
+    """What the thread that opens a LISTEN connection hands the main thread: `done` is
+    set once the connection (or the error) is in place, so the main thread never takes a
+    half-made hand-over, and a connection finished after the worker gave up on it (at
+    shutdown) is closed by the thread itself."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.conn: psycopg.Connection[Any] | None = None
+        self.proxied = False
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._abandoned = False
+
+    def finish(
+        self,
+        *,
+        conn: psycopg.Connection[Any] | None = None,
+        proxied: bool = False,
+        error: BaseException | None = None,
+    ) -> None:
+        with self._lock:
+            if self._abandoned:
+                if conn is not None:
+                    conn.close()
+                return
+            self.conn, self.proxied, self.error = conn, proxied, error
+            self.done.set()
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
 class _SlotRefill:
     """The Refill a runner uses to claim its slot's next attempt in its settlement."""
 
@@ -160,7 +198,7 @@ class WorkerDispatchCoordinator:
         os.set_blocking(self._wake_w, False)
         self._listen: psycopg.Connection[Any] | None = None
         # A thread opening the LISTEN connection, and what it hands over.
-        self._listen_opening: tuple[threading.Thread, dict[str, Any]] | None = None
+        self._listen_opening: _ListenOpening | None = None
         self._listen_retry_at = 0.0
         self._listen_backoff = 0.5
         self.probe = listen.ListenProbe(
@@ -637,49 +675,48 @@ class WorkerDispatchCoordinator:
         swallows packets waits up to `connect_timeout`; on the main thread that wait would
         stop claims, settlements' reaping and recovery, while the worker says it polls.
         The thread hands the connection over (or the error) and wakes the main loop."""
-        box: dict[str, Any] = {}
+        opening = _ListenOpening()
         channel = conf.channel()
 
         def open_listening() -> None:
             deadline.set_thread_limit(self.coordination_timeout)
+            conn = None
             try:
                 conn = listen.connect(f"dispatch-listen {self.worker_id}")
-                try:
-                    with deadline.guarded(conn, "listen", self.coordination_timeout):
-                        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-                        box["proxied"] = self.probe.listen_on(conn)
-                except BaseException:
-                    conn.close()
-                    raise
-                box["conn"] = conn
+                with deadline.guarded(conn, "listen", self.coordination_timeout):
+                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                    proxied = self.probe.listen_on(conn)
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                box["error"] = exc
-            finally:
-                self._wake()
+                if conn is not None:
+                    conn.close()
+                opening.finish(error=exc)
+            else:
+                opening.finish(conn=conn, proxied=proxied)
+            self._wake()
 
-        thread = threading.Thread(target=open_listening, name="dispatch-listen-open", daemon=True)
-        self._listen_opening = (thread, box)
-        thread.start()
+        self._listen_opening = opening
+        threading.Thread(target=open_listening, name="dispatch-listen-open", daemon=True).start()
 
     def _listen_adopt(self) -> bool:
         """Take the connection the opening thread made (True), or start one when the
         backoff allows; False while none is ready."""
-        if self._listen_opening is None:
+        opening = self._listen_opening
+        if opening is None:
             if time.monotonic() >= self._listen_retry_at:
                 self._listen_open_in_background()
             return False
-        thread, box = self._listen_opening
-        if thread.is_alive():
+        if not opening.done.is_set():
             return False
         self._listen_opening = None
-        error = box.get("error")
-        if error is not None:
+        if opening.error is not None:
+            error = opening.error
             if not isinstance(error, (psycopg.Error, OSError, deadline.DeadlineExceeded)):
                 raise error
             self._listen_lost(error)
             return False
-        self._listen = box["conn"]
-        self.probe.adopted(box["proxied"])
+        assert opening.conn is not None
+        self._listen = opening.conn
+        self.probe.adopted(opening.proxied)
         self._listen_backoff = 0.5
         self._refill = True  # once listening again, one generic pass
         log.info("listening worker=%s channel=%s", self.worker_id, conf.channel())
@@ -693,13 +730,9 @@ class WorkerDispatchCoordinator:
         self.probe.disconnected()
 
     def _abandon_listen_opening(self) -> None:
-        """At shutdown: close what an opening thread made; one still connecting is a
-        daemon thread that ends with the process."""
+        """At shutdown: a connection an opening thread made, now or later, is closed."""
         if self._listen_opening is not None:
-            thread, box = self._listen_opening
-            if not thread.is_alive() and "conn" in box:
-                with contextlib.suppress(Exception):
-                    box["conn"].close()
+            self._listen_opening.abandon()
             self._listen_opening = None
 
     def _tick_probe(self, now: float) -> None:

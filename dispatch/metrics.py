@@ -199,6 +199,17 @@ class BindingCountersCollector:
             health.add_metric([state], counted.get(state, 0))
         yield health
 
+        lag = GaugeMetricFamily(
+            "dispatch_maintenance_lag_seconds",
+            "How far the health scan's (task=health) and the metrics fold's (task=metrics) "
+            "cursors are behind now, over runs and over attempts: a value that keeps "
+            "growing means alerts and counters fall behind (and retention waits for them).",
+            labels=["task", "cursor"],
+        )
+        for task, cursor, seconds in _rows("maintenance_lag"):
+            lag.add_metric([task, cursor], max(0.0, float(seconds)))
+        yield lag
+
         alerts = GaugeMetricFamily(
             "dispatch_alerts_last_day",
             "Alerts created in the last 24 hours, by status and kind.",

@@ -12,6 +12,10 @@ from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Now
 
+# At most this many addresses for one binding's alerts (a list address serves more):
+# whoever may edit a binding cannot turn the site's mail server into a mass mailer.
+MAX_ALERT_RECIPIENTS = 20
+
 
 class OpsState(models.Model):
     """One row per maintenance task ("retention", "health"): when it last ran, what it
@@ -71,6 +75,9 @@ class BindingHealth(models.Model):
         max_length=100,
         blank=True,
         default="",
+        # A database default too: workers of the previous release insert health rows
+        # without this column while a rolling upgrade runs (docs/deployment.md).
+        db_default="",
         help_text="The name of one of the site's DISPATCH_ALERT_WEBHOOKS for this binding's "
         "alerts; empty: the site's default webhook (DISPATCH_ALERT_WEBHOOK_URL), if any.",
     )
@@ -100,6 +107,15 @@ class BindingHealth(models.Model):
     def __str__(self) -> str:
         return f"health of {self.binding_id}"
 
+    # The alert settings an operator edits; everything else is the health scan's.
+    SETTINGS_FIELDS = ("alert_emails", "alert_webhook", "alerts_muted")
+
+    def _stored_webhook(self) -> str | None:
+        if self._state.adding:
+            return None
+        rows = type(self).objects.filter(pk=self.pk).values_list("alert_webhook", flat=True)
+        return rows.first()
+
     def clean(self) -> None:
         from django.core.exceptions import ValidationError
         from django.core.validators import validate_email
@@ -107,16 +123,34 @@ class BindingHealth(models.Model):
         from dispatch import conf
 
         errors: dict[str, str] = {}
-        for address in (a.strip() for a in self.alert_emails.split(",")):
-            if not address:
-                continue
+        addresses = [a.strip() for a in self.alert_emails.split(",") if a.strip()]
+        domains = conf.alert_email_domains()
+        for address in addresses:
             try:
                 validate_email(address)
             except ValidationError:
                 errors["alert_emails"] = f"{address[:100]!r} is not an email address."
                 break
+            domain = address.rsplit("@", 1)[-1].lower()
+            if domains and domain not in domains:
+                errors["alert_emails"] = (
+                    f"{address[:100]!r} is not at one of the site's alert domains "
+                    f"(DISPATCH_ALERT_EMAIL_DOMAINS: {', '.join(sorted(domains))})."
+                )
+                break
+        if len(addresses) > MAX_ALERT_RECIPIENTS and "alert_emails" not in errors:
+            errors["alert_emails"] = (
+                f"{len(addresses)} addresses; a binding's alerts go to at most "
+                f"{MAX_ALERT_RECIPIENTS} (use a list address for more)."
+            )
         names = sorted(conf.alert_webhooks())
-        if self.alert_webhook and self.alert_webhook not in names:
+        if (
+            self.alert_webhook
+            and self.alert_webhook not in names
+            # A name the site dropped since it was stored is reported on the page, not a
+            # reason to refuse every other edit of the binding.
+            and self.alert_webhook != self._stored_webhook()
+        ):
             errors["alert_webhook"] = (
                 f"{self.alert_webhook[:100]!r} is not one of the site's webhooks "
                 f"(DISPATCH_ALERT_WEBHOOKS: {', '.join(names) or 'none configured'})."

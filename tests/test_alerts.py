@@ -302,19 +302,132 @@ def test_alerts__binding_alert_settings_validated_naming_the_field() -> None:
     BindingHealth(binding=b, alert_webhook="team-a", alert_emails="a@example.com").full_clean()
 
 
-def test_alerts__malformed_named_webhooks_fail_a_system_check() -> None:
+def test_alerts__malformed_webhooks_fail_a_system_check_without_quoting_the_url() -> None:
     from dispatch.checks import check_alert_webhooks
 
     with override_settings(
+        DISPATCH_ALERT_WEBHOOK_URL="https://ops:S3CRET-PASS@hooks.example/default",
         DISPATCH_ALERT_WEBHOOKS={
             "ok": {"url": "https://hooks.example/ok", "secret": "s"},
             "no-host": {"url": "file:///etc/passwd"},
-            "extra": {"url": "https://u:p@hooks.example/", "token": "x"},
-        }
+            "extra": {"url": "https://hooks.example/", "token": "x"},
+            "space": {"url": "https://hooks.example/services/T0KEN SECRET"},
+            "v6": {"url": "https://[bad-host/x"},
+        },
     ):
         errors = check_alert_webhooks()
-    assert [e.id for e in errors] == ["dispatch.E014", "dispatch.E014"]
+    assert [e.id for e in errors] == ["dispatch.E014"] * 5
     messages = " ".join(e.msg for e in errors)
+    assert "DISPATCH_ALERT_WEBHOOK_URL: its url must not hold a user or password" in messages
     assert "['no-host']: its url must be an http(s) URL with a host" in messages
     assert "['extra']: it must be a dict with the keys" in messages
-    assert "u:p@" not in messages
+    assert "['space']: its url holds whitespace or control characters" in messages
+    assert "['v6']: its url does not parse" in messages
+    assert "S3CRET" not in messages and "T0KEN" not in messages
+
+
+@override_settings(**{**BASE, "DISPATCH_ALERT_NOTIFIERS": ["webhook"]}, DISPATCH_ALERT_BACKOFF=0.0)
+def test_alerts__a_webhook_failure_never_quotes_the_url(hook: str) -> None:
+    """A URL the check would refuse, set anyway: the error names the host, never the
+    path (which may carry a token)."""
+    b = BindingFactory()
+    finish(b, "FAILED")
+    with override_settings(DISPATCH_ALERT_WEBHOOK_URL=hook + "/services/T0KEN SECRET"):
+        alerts.scan()
+        assert alerts.drain() == 0
+    (alert,) = Alert.objects.all()
+    host = hook.split("/")[2]
+    assert alert.last_error == f"webhook at {host} failed: InvalidURL"
+    assert "T0KEN" not in alert.last_error
+
+
+@override_settings(DISPATCH_ALERT_EMAIL_DOMAINS=["example.com"])
+def test_alerts__a_bindings_recipients_are_capped_and_kept_to_the_sites_domains() -> None:
+    from django.core.exceptions import ValidationError
+
+    from dispatch.ops_models import MAX_ALERT_RECIPIENTS
+
+    b = BindingFactory()
+    many = ", ".join(f"ops{i}@example.com" for i in range(MAX_ALERT_RECIPIENTS + 1))
+    with pytest.raises(ValidationError) as too_many:
+        BindingHealth(binding=b, alert_emails=many).full_clean()
+    assert f"{MAX_ALERT_RECIPIENTS + 1} addresses; a binding's alerts go to at most" in str(
+        too_many.value.message_dict["alert_emails"]
+    )
+    with pytest.raises(ValidationError) as elsewhere:
+        BindingHealth(binding=b, alert_emails="ops@example.com, x@elsewhere.test").full_clean()
+    assert "'x@elsewhere.test' is not at one of the site's alert domains" in str(
+        elsewhere.value.message_dict["alert_emails"]
+    )
+    BindingHealth(binding=b, alert_emails="ops@EXAMPLE.com").full_clean()
+
+
+def binding_post(binding: JobBinding, **health: str) -> dict[str, str]:
+    """The binding page's form as a browser posts it, with its alert settings inline."""
+    return {
+        "name": binding.name,
+        "job": str(binding.job_id),
+        "source": str(binding.source_id),
+        "sink": str(binding.sink_id),
+        "enabled": "on",
+        "max_concurrency": str(binding.max_concurrency),
+        "health-TOTAL_FORMS": "1",
+        "health-INITIAL_FORMS": "1" if BindingHealth.objects.filter(binding=binding) else "0",
+        "health-MIN_NUM_FORMS": "0",
+        "health-MAX_NUM_FORMS": "1",
+        "health-0-binding": str(binding.pk),
+        **{f"health-0-{k}": v for k, v in health.items()},
+    }
+
+
+def test_alerts__saving_the_binding_page_writes_its_alert_settings_only(
+    admin_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The health scan moves the row while the page is being saved (here: between the
+    form's validation and its save, from another connection): the page writes the
+    alert settings, never the scan's state back."""
+    from tests.helpers import raw_connection
+
+    b = BindingFactory()
+    BindingHealth.objects.create(binding=b, alert_emails="old@example.com")
+    clean = BindingHealth.clean
+
+    def scan_meanwhile(self: BindingHealth) -> None:
+        clean(self)
+        with raw_connection() as other:
+            other.execute(
+                "UPDATE dispatch_bindinghealth SET state = 'AUTO_DISABLED',"
+                " consecutive_failures = 30, reason = 'auto-disabled: 30' WHERE binding_id = %s",
+                [b.pk],
+            )
+            other.commit()
+
+    monkeypatch.setattr(BindingHealth, "clean", scan_meanwhile)
+    url = f"/admin/dispatch/jobbinding/{b.pk}/change/"
+    response = admin_client.post(url, binding_post(b, alert_emails="new@example.com"))
+    assert response.status_code == 302, response.content.decode()[-3000:]
+    h = health_of(b)
+    assert (h.alert_emails, h.state, h.consecutive_failures) == (
+        "new@example.com",
+        HealthState.AUTO_DISABLED,
+        30,
+    )
+
+
+@override_settings(DISPATCH_ALERT_WEBHOOKS={"team-a": {"url": "https://hooks.example/a"}})
+def test_alerts__a_webhook_the_site_dropped_is_shown_and_blocks_no_other_edit(
+    admin_client: Any,
+) -> None:
+    b = BindingFactory()
+    BindingHealth.objects.create(binding=b, alert_webhook="gone")
+    url = f"/admin/dispatch/jobbinding/{b.pk}/change/"
+    page = admin_client.get(url).content.decode()
+    assert "gone (no longer configured: its alerts fail)" in page
+    data = {**binding_post(b, alert_webhook="gone"), "max_concurrency": "3"}
+    assert admin_client.post(url, data).status_code == 302
+    b.refresh_from_db()
+    assert b.max_concurrency == 3 and health_of(b).alert_webhook == "gone"
+    # Choosing an unknown name anew is refused, naming the field's choices.
+    response = admin_client.post(url, binding_post(b, alert_webhook="elsewhere"))
+    assert response.status_code == 200
+    assert health_of(b).alert_webhook == "gone"

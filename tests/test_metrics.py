@@ -91,18 +91,19 @@ def test_metrics__counters_and_histograms_folded_once_from_finished_runs(client)
     ok = trigger(b)
     [c] = claims.claim("w-f", run_id=ok.id, limit=1, generic=False)
     claims.settle(c.attempt_id, c.lease_token, "SUCCEEDED", rows_read=40, rows_written=39)
-    # Known times: waited 0.3 s (le 0.5, not 0.25), ran 2 s (le 2.5, not 1).
+    # Known times, in the past: waited 0.3 s (le 0.5, not 0.25), ran 2 s (le 2.5, not 1).
+    due = Attempt.objects.get(pk=c.attempt_id).available_at - timedelta(seconds=10)
     Attempt.objects.filter(pk=c.attempt_id).update(
-        claimed_at=Attempt.objects.get(pk=c.attempt_id).available_at + timedelta(seconds=0.3)
+        available_at=due,
+        claimed_at=due + timedelta(seconds=0.3),
+        finished_at=due + timedelta(seconds=2.3),
     )
-    a = Attempt.objects.get(pk=c.attempt_id)
-    Attempt.objects.filter(pk=a.pk).update(finished_at=a.claimed_at + timedelta(seconds=2))
     bad = trigger(b)
     [c] = claims.claim("w-f", run_id=bad.id, limit=1, generic=False)
     claims.settle(c.attempt_id, c.lease_token, "PERMANENT", reason="PERMANENT_ERROR")
     trigger(other)  # live: counted when it finishes, not before
 
-    assert binding_metrics.fold() == 2
+    assert binding_metrics.fold() == 4  # two runs, their two attempts
     assert binding_metrics.fold() == 0  # nothing twice
     client.force_login(User.objects.create_user("staff2", is_staff=True))
     got = samples(client.get("/metrics").content.decode())
@@ -121,6 +122,13 @@ def test_metrics__counters_and_histograms_folded_once_from_finished_runs(client)
     assert 2.0 <= got[("dispatch_run_duration_seconds_sum", (bl,))] < 3.0
     assert not any(k[1] and ("binding", "b-other") in k[1] for k in got if "finished" in k[0])
     assert got[("dispatch_bindings_by_health", (("state", "OK"),))] == 0  # no scan ran
+    # The fold's cursors lag by about the scan lag (0 here) plus this test's own time.
+    lags = {k[1]: v for k, v in got.items() if k[0] == "dispatch_maintenance_lag_seconds"}
+    assert set(lags) == {
+        (("cursor", "runs"), ("task", "metrics")),
+        (("cursor", "attempts"), ("task", "metrics")),
+    }
+    assert all(0 <= v < 60 for v in lags.values()), lags
 
 
 @pytest.mark.django_db(transaction=True)
@@ -164,5 +172,29 @@ def test_metrics__two_folds_at_once_take_turns_and_count_nothing_twice():
         holder.commit()
         holder.close()
         folding.join(30)
-    assert sorted(results[0]) == [0, 3]
+    assert sorted(results[0]) == [0, 6]  # three runs and their attempts, once
     assert BindingMetrics.objects.get(binding=b).counters["runs"] == {"SUCCEEDED": 3}
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(DISPATCH_HEALTH_SCAN_LAG=0.0)
+def test_metrics__a_run_retried_by_an_operator_counts_each_attempt_once():
+    """The run finishes twice (counted twice: runs that reached a final status); its
+    first attempt, settled before the retry, is not read again."""
+    from dispatch import binding_metrics
+    from dispatch.ops_models import BindingMetrics
+
+    b = BindingFactory(name="b-retried")
+    run = trigger(b)
+    [c] = claims.claim("w-r", run_id=run.id, limit=1, generic=False)
+    claims.settle(c.attempt_id, c.lease_token, "PERMANENT", reason="PERMANENT_ERROR", rows_read=100)
+    assert binding_metrics.fold() == 2
+    services.retry_run(run)
+    [c] = claims.claim("w-r", run_id=run.id, limit=1, generic=False)
+    claims.settle(c.attempt_id, c.lease_token, "SUCCEEDED", rows_read=10, rows_written=10)
+    assert binding_metrics.fold() == 2
+    counters = BindingMetrics.objects.get(binding=b).counters
+    assert counters["attempts"] == {"FAILED": 1, "SUCCEEDED": 1}
+    assert counters["runs"] == {"FAILED": 1, "SUCCEEDED": 1}
+    assert (counters["rows_read"], counters["rows_written"]) == (110, 10)
+    assert sum(counters["duration"]["counts"]) == 2

@@ -54,3 +54,23 @@ def test_transition_table_covers_every_status():
 @pytest.mark.django_db
 def test_models_and_migrations_are_in_step():
     call_command("makemigrations", "--check", "--dry-run", verbosity=0)
+
+
+def test_every_added_column_keeps_a_database_default_for_rolling_upgrades() -> None:
+    """While a rolling upgrade runs, workers of the previous release insert rows without
+    the new columns (docs/deployment.md, "Upgrades"): an added NOT NULL column needs a
+    default in the database, not only in Django."""
+    from django.db.migrations.loader import MigrationLoader
+    from django.db.migrations.operations import AddField
+    from django.db.models import NOT_PROVIDED
+
+    loader = MigrationLoader(None, ignore_no_migrations=True)
+    missing = [
+        f"{app}.{name}: {op.model_name}.{op.name}"
+        for (app, name), migration in loader.disk_migrations.items()
+        if app in ("dispatch", "scheduling")
+        for op in migration.operations
+        if isinstance(op, AddField)
+        and not (op.field.null or op.field.db_default is not NOT_PROVIDED)
+    ]
+    assert loader.disk_migrations and not missing, missing

@@ -60,8 +60,10 @@ SELECT r.id, r.finished_at
    -- fold: strictly before the older of their cursors (one read of two rows, an
    -- uncorrelated InitPlan). A task that never ran has no cursor and holds nothing back.
    AND r.finished_at < coalesce(
-         (SELECT min((o.data->>'after_at')::timestamptz) FROM dispatch_opsstate o
-           WHERE o.key IN ('health', 'metrics') AND o.data ? 'after_at'),
+         (SELECT min(t.at) FROM dispatch_opsstate o
+            CROSS JOIN LATERAL (VALUES ((o.data->>'after_at')::timestamptz),
+                                       ((o.data->>'attempts_after_at')::timestamptz)) t(at)
+           WHERE o.key IN ('health', 'metrics')),
          'infinity')
  ORDER BY r.created_at
  LIMIT %(limit)s
@@ -154,3 +156,36 @@ SELECT state, count(*) FROM dispatch_bindinghealth GROUP BY state;
 SELECT status, kind, count(*) FROM dispatch_alert
  WHERE created_at > now() - interval '1 day'
  GROUP BY status, kind;
+
+-- name: fold_runs
+-- The metrics fold's next runs that reached a final status, after its cursor: a keyset
+-- over (finished_at, id). The lower bound on finished_at is the index condition
+-- (dispatch_run_finished_idx); the OR only breaks ties at the cursor's instant.
+SELECT r.id, r.finished_at, r.binding_id, r.status
+  FROM dispatch_run r
+ WHERE r.finished_at >= %(after_at)s
+   AND (r.finished_at > %(after_at)s OR r.id > %(after_id)s)
+   AND r.finished_at <= now() - make_interval(secs => %(lag)s)
+ ORDER BY r.finished_at, r.id
+ LIMIT %(limit)s;
+
+-- name: fold_attempts
+-- The metrics fold's next settled attempts after its cursor (dispatch_attempt_finished_idx):
+-- each attempt once, whatever happens to its run later (an operator's retry finishes the
+-- run again with new attempts; the old ones are not read again).
+SELECT a.id, a.finished_at, a.binding_id, a.status, a.available_at, a.claimed_at,
+       a.rows_read, a.rows_written
+  FROM dispatch_attempt a
+ WHERE a.finished_at >= %(after_at)s
+   AND (a.finished_at > %(after_at)s OR a.id > %(after_id)s)
+   AND a.finished_at <= now() - make_interval(secs => %(lag)s)
+ ORDER BY a.finished_at, a.id
+ LIMIT %(limit)s;
+
+-- name: maintenance_lag
+-- How far the health scan's and the metrics fold's cursors are behind now, seconds.
+SELECT o.key, t.cursor, EXTRACT(EPOCH FROM (now() - t.at))::float8
+  FROM dispatch_opsstate o
+  CROSS JOIN LATERAL (VALUES ('runs', (o.data->>'after_at')::timestamptz),
+                             ('attempts', (o.data->>'attempts_after_at')::timestamptz)) t(cursor, at)
+ WHERE o.key IN ('health', 'metrics') AND t.at IS NOT NULL;
