@@ -266,7 +266,8 @@ def test_prune__never_deletes_a_run_the_health_scan_or_the_metrics_fold_has_not_
     unread = finished_run(b, Status.FAILED, 95)
     finished_run(b, Status.SUCCEEDED, 0)
     cursor_at = Run.objects.values_list("finished_at", flat=True).get(pk=read.pk)
-    # The scan has read up to `read`; the fold up to `unread`: the older cursor rules.
+    # The scan has read up to `read` (itself included); the fold further: the older
+    # cursor rules.
     OpsState.objects.create(
         key=alerts.SCAN_KEY, data={"after_at": cursor_at.isoformat(), "after_id": str(read.pk)}
     )
@@ -275,9 +276,31 @@ def test_prune__never_deletes_a_run_the_health_scan_or_the_metrics_fold_has_not_
         data={"after_at": (cursor_at + timedelta(days=5)).isoformat(), "after_id": "x"},
     )
     report = retention.prune()
-    assert report.total_runs == 0 and exists(read) and exists(unread)
-    OpsState.objects.filter(key=alerts.SCAN_KEY).update(
-        data={"after_at": (cursor_at + timedelta(days=1)).isoformat(), "after_id": "x"}
+    assert report.total_runs == 1 and not exists(read) and exists(unread)
+    OpsState.objects.filter(key__in=[alerts.SCAN_KEY, binding_metrics.KEY]).update(
+        data={"after_at": (cursor_at + timedelta(days=6)).isoformat(), "after_id": "x"}
     )
     report = retention.prune()
-    assert report.total_runs == 1 and not exists(read) and exists(unread)
+    assert report.total_runs == 1 and not exists(unread)
+
+
+@override_settings(DISPATCH_HEALTH_SCAN_LAG=0.0)
+def test_prune_command__brings_the_scan_and_the_fold_up_to_date_first(capsys):
+    """A site whose workers run without maintenance prunes from cron: a stale health
+    cursor (rule R5) would otherwise hold every run back for ever."""
+    from dispatch import alerts
+    from dispatch.ops_models import OpsState
+
+    binding = BindingFactory()
+    old = finished_run(binding, Status.SUCCEEDED, 30)
+    finished_run(binding, Status.SUCCEEDED, 0)
+    stale = Run.objects.values_list("finished_at", flat=True).get(pk=old.pk)
+    OpsState.objects.create(
+        key=alerts.SCAN_KEY,
+        data={"after_at": (stale - timedelta(days=1)).isoformat(), "after_id": str(old.pk)},
+    )
+    assert retention.prune().total_runs == 0  # held back by the stale cursor
+    call_command("prune")
+    out = capsys.readouterr().out
+    assert "health scan: 2 run(s) read" in out and "deleted 1 run(s)" in out
+    assert not exists(old)

@@ -57,9 +57,11 @@ SELECT r.id, r.finished_at
         OR EXISTS (SELECT 1 FROM dispatch_run n
                     WHERE n.schedule_id = r.schedule_id AND n.scheduled_for > r.scheduled_for))
    -- R5, not yet read by the health scan (failure alerts, auto-disable) or the metrics
-   -- fold: strictly before the older of their cursors (one read of two rows, an
-   -- uncorrelated InitPlan). A task that never ran has no cursor and holds nothing back.
-   AND r.finished_at < coalesce(
+   -- fold: finished no later than the oldest of their cursors (one read of two rows, an
+   -- uncorrelated InitPlan; a run sharing the cursor's very microsecond but not yet read
+   -- is the one case it misses). A task that never ran has no cursor and holds nothing
+   -- back.
+   AND r.finished_at <= coalesce(
          (SELECT min(t.at) FROM dispatch_opsstate o
             CROSS JOIN LATERAL (VALUES ((o.data->>'after_at')::timestamptz),
                                        ((o.data->>'attempts_after_at')::timestamptz)) t(at)

@@ -4,7 +4,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from dispatch import retention
+from dispatch import alerts, binding_metrics, retention
 
 
 class Command(BaseCommand):
@@ -35,6 +35,14 @@ class Command(BaseCommand):
         for name in ("batch", "max_batches"):
             if options[name] is not None and options[name] < 1:
                 raise CommandError(f"--{name.replace('_', '-')} must be at least 1.")
+        if not options["dry_run"]:
+            # Retention waits for the health scan and the metrics fold to read a run
+            # (rule R5): bring them up to date first, so a site whose workers run without
+            # maintenance and prunes from cron still prunes (their alerts wait PENDING
+            # for a drain).
+            scanned = alerts.scan().runs
+            folded = binding_metrics.fold()
+            self.stdout.write(f"health scan: {scanned} run(s) read; metrics fold: {folded}")
         report = retention.prune(
             dry_run=options["dry_run"], batch=options["batch"], max_batches=options["max_batches"]
         )
