@@ -16,12 +16,14 @@ ALL: list[str] = [
     "backlog",
     "herd",
     "latency",
+    "wakesplit",
     "claimcost",
     "contention",
     "recovery",
     "copy_pg",
     "movement",
     "pgbouncer",
+    "soak",
 ]
 # Short names for modules whose own name says more (`python -m bench copy`).
 ALIASES: dict[str, str] = {"copy": "copy_pg"}
