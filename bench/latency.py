@@ -97,6 +97,7 @@ def peer_round(args: Any, seed: int) -> dict[str, Any]:
             app = common.peer_app(common.db_url(args.server, common.PEER_DB))
 
             called: dict[int, float] = {}
+            calls: list[float] = []
 
             async def defer_all() -> None:
                 async with app.open_async():
@@ -104,6 +105,7 @@ def peer_round(args: Any, seed: int) -> dict[str, Any]:
                     for gap in spacing(args.triggers, seed):
                         before = time.time()  # the wall clock just before the call
                         called[await task.defer_async()] = before
+                        calls.append((time.time() - before) * 1000)
                         await asyncio.sleep(gap)
 
             asyncio.run(defer_all())
@@ -124,7 +126,7 @@ def peer_round(args: Any, seed: int) -> dict[str, Any]:
                 " WHERE type = 'started'"
             )
         ]
-    return {"ms": ms}
+    return {"ms": ms, "call_ms": calls}
 
 
 def floor_round(args: Any, seed: int, *, durable: bool = False) -> dict[str, Any]:

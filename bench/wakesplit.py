@@ -10,7 +10,6 @@ benchmark's gaps and back to back, and a bare round trip the same two ways.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.latency import spacing
+from bench.latency import peer_round, spacing
 
 TRACE_DIR = common.RESULTS / "wakesplit"
 
@@ -124,51 +123,10 @@ def dispatch_round(args: Any, env: dict[str, str], seed: int) -> dict[str, list[
     return out
 
 
-def peer_round(args: Any, seed: int) -> dict[str, list[float]]:
-    common.reset_peer(args.server)
-    procs = common.start_peer_workers(args.server, 1, 1, wait=True, tag="wakesplit-peer")
-    out: dict[str, list[float]] = {"call": [], "total": []}
-    with common.connect(args.server, common.PEER_DB) as conn:
-        try:
-            common.wait_for(
-                lambda: conn.execute(
-                    "SELECT 1 FROM pg_stat_activity WHERE datname = %s AND query LIKE 'LISTEN%%'",
-                    [common.PEER_DB],
-                ).fetchone(),
-                timeout=60,
-                what="the Procrastinate worker to listen",
-            )
-            app = common.peer_app(common.db_url(args.server, common.PEER_DB))
-            called: dict[int, tuple[float, float]] = {}
-
-            async def defer_all() -> None:
-                async with app.open_async():
-                    task = app.tasks["noop"]
-                    for gap in spacing(args.triggers, seed):
-                        before = time.time()
-                        job = await task.defer_async()
-                        called[job] = (before, time.time())
-                        await asyncio.sleep(gap)
-
-            asyncio.run(defer_all())
-            common.wait_for(
-                lambda: conn.execute(
-                    "SELECT count(*) = %s FROM procrastinate_events WHERE type = 'succeeded'",
-                    [args.triggers],
-                ).fetchone()[0],
-                timeout=120,
-                what="every job to finish",
-            )
-        finally:
-            common.stop_procs(procs, sig=signal.SIGTERM)
-        for job_id, started in conn.execute(
-            "SELECT job_id, EXTRACT(EPOCH FROM at)::float8 FROM procrastinate_events"
-            " WHERE type = 'started'"
-        ):
-            before, after = called[job_id]
-            out["call"].append((after - before) * 1000)
-            out["total"].append((started - before) * 1000)
-    return out
+def peer(args: Any, seed: int) -> dict[str, list[float]]:
+    """The wake-up benchmark's Procrastinate round: defer call and wake-up, milliseconds."""
+    got = peer_round(args, seed)
+    return {"call": got["call_ms"], "total": got["ms"]}
 
 
 def idle_round(args: Any, seed: int) -> dict[str, list[float]]:
@@ -213,6 +171,7 @@ def main(argv: list[str]) -> int:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--triggers", type=common.positive, default=200)
     args = p.parse_args(argv)
+    args.concurrency = 1  # one idle worker per side, as the wake-up benchmark's default
     if args.quick:
         args.triggers, args.rounds = 30, 1
     report = common.Report("Wake-up: where it goes", ["wakesplit", *argv], args.server)
@@ -224,7 +183,7 @@ def main(argv: list[str]) -> int:
         args.rounds,
         {
             "dispatch": lambda: dispatch_round(args, env, next(seeds)),
-            "procrastinate": lambda: peer_round(args, next(seeds)),
+            "procrastinate": lambda: peer(args, next(seeds)),
             "idle": lambda: idle_round(args, next(seeds)),
         },
     )

@@ -169,26 +169,22 @@ def _fold_batch(limit: int) -> tuple[int, bool]:
         state = OpsState.objects.select_for_update().get(key=KEY)
         data = state.data if isinstance(state.data, dict) else {}
         lag = conf.health_scan_lag()
-        cursor.execute(
-            ops_query("fold_runs"),
-            {
-                "after_at": data.get("after_at") or EPOCH,
-                "after_id": data.get("after_id") or NO_ID,
-                "lag": lag,
-                "limit": limit,
-            },
-        )
-        runs = cursor.fetchall()
-        cursor.execute(
-            ops_query("fold_attempts"),
-            {
-                "after_at": data.get("attempts_after_at") or EPOCH,
-                "after_id": data.get("attempts_after_id") or NO_ID,
-                "lag": lag,
-                "limit": limit,
-            },
-        )
-        attempts = cursor.fetchall()
+
+        def after(statement: str, prefix: str) -> list[tuple[Any, ...]]:
+            """The next `limit` rows of one keyset, from the cursor stored under `prefix`."""
+            cursor.execute(
+                ops_query(statement),
+                {
+                    "after_at": data.get(f"{prefix}after_at") or EPOCH,
+                    "after_id": data.get(f"{prefix}after_id") or NO_ID,
+                    "lag": lag,
+                    "limit": limit,
+                },
+            )
+            return list(cursor.fetchall())
+
+        runs = after("fold_runs", "")
+        attempts = after("fold_attempts", "attempts_")
         if not runs and not attempts:
             return 0, False
         touched = {row[2] for row in runs} | {row[2] for row in attempts}

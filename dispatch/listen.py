@@ -222,6 +222,12 @@ class ListenProbe:
         }
 
 
+# States that mean wake-ups stopped arriving (workerhealth --require-listen, the metrics'
+# unhealthy-LISTEN gauge); a worker still starting, or polling behind a pooler by design,
+# is not in them.
+UNHEALTHY_STATES = (ListenState.SILENT.value, ListenState.DISCONNECTED.value)
+
+
 @dataclass(frozen=True)
 class ProbeReport:
     state: str  # a ListenState value, or "unknown" for a worker that reports none

@@ -28,12 +28,11 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from dispatch import binding_metrics, conf
-from dispatch.listen import ListenState, probe_report
+from dispatch.listen import UNHEALTHY_STATES, probe_report
 from dispatch.ops_models import HealthState
 from dispatch.sqlfiles import ops_query
 
 MAX_BINDINGS = 200
-LISTEN_UNHEALTHY = (ListenState.SILENT.value, ListenState.DISCONNECTED.value)
 # Worker counters (dispatch_worker.stats) exported, summed over live workers.
 WORKER_EVENTS = (
     "claims_generic",
@@ -118,7 +117,7 @@ class DispatchCollector:
                 totals[event] += int(stats.get(event, 0) or 0)
             # As `workerhealth --require-listen` judges: wake-ups stopped arriving (a
             # worker still starting, or polling behind a pooler by design, is not).
-            if probe_report(stats).state in LISTEN_UNHEALTHY:
+            if probe_report(stats).state in UNHEALTHY_STATES:
                 unhealthy += 1
         workers.add_metric([], len(rows))
         for event in WORKER_EVENTS:

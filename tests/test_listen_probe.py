@@ -34,6 +34,25 @@ from tests.test_worker import start_worker
 WORKER = "w-listen-cut"
 
 
+def start_proxied_worker(
+    processes: Processes, proxy: BlackholeProxy, *args: str, connect_timeout: str
+) -> Any:
+    """A real worker whose LISTEN connection alone goes through `proxy`, probing every
+    second."""
+    return start_worker(
+        processes,
+        "--worker-id",
+        WORKER,
+        *args,
+        env=worker_env(
+            DISPATCH_LISTEN_URL=proxied_url(proxy.port),
+            DISPATCH_LISTEN_PROBE_INTERVAL="1",
+            DISPATCH_LISTEN_PROBE_TIMEOUT="1",
+            DATABASE_CONNECT_TIMEOUT=connect_timeout,
+        ),
+    )
+
+
 def report(worker_id: str = WORKER) -> ProbeReport:
     """The worker's LISTEN probe as its last heartbeat wrote it."""
     stats = Worker.objects.filter(pk=worker_id).values_list("stats", flat=True).first()
@@ -106,19 +125,9 @@ def test_listen_probe__a_silently_broken_listen_connection_is_reported_everywher
     staff.force_login(User.objects.create_superuser("ops", "ops@example.com", "pw"))
     s = connection.settings_dict
     with BlackholeProxy(s["HOST"] or "127.0.0.1", int(s["PORT"] or 5432)) as proxy:
-        proc = start_worker(
-            processes,
-            "--worker-id",
-            WORKER,
-            env=worker_env(
-                DISPATCH_LISTEN_URL=proxied_url(proxy.port),
-                DISPATCH_LISTEN_PROBE_INTERVAL="1",
-                DISPATCH_LISTEN_PROBE_TIMEOUT="1",
-                # Each reconnect through the black hole waits this long for the server
-                # (libpq's minimum is 2 s); it bounds how soon after the heal one succeeds.
-                DATABASE_CONNECT_TIMEOUT="2",
-            ),
-        )
+        # Each reconnect through the black hole waits connect_timeout for the server
+        # (libpq's minimum is 2 s); it bounds how soon after the heal one succeeds.
+        proc = start_proxied_worker(processes, proxy, connect_timeout="2")
 
         def log() -> str:
             return processes.output(proc)
@@ -209,18 +218,8 @@ def test_listen_probe__claims_go_on_while_a_listen_reconnect_hangs(
 
     s = connection.settings_dict
     with BlackholeProxy(s["HOST"] or "127.0.0.1", int(s["PORT"] or 5432)) as proxy:
-        proc = start_worker(
-            processes,
-            "--worker-id",
-            WORKER,
-            "--poll-interval",
-            "0.5",
-            env=worker_env(
-                DISPATCH_LISTEN_URL=proxied_url(proxy.port),
-                DISPATCH_LISTEN_PROBE_INTERVAL="1",
-                DISPATCH_LISTEN_PROBE_TIMEOUT="1",
-                DATABASE_CONNECT_TIMEOUT="10",
-            ),
+        proc = start_proxied_worker(
+            processes, proxy, "--poll-interval", "0.5", connect_timeout="10"
         )
         wait_until(lambda: report().state == "ok", timeout=20, message="the first probe")
         proxy.blackhole()

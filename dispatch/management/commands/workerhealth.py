@@ -6,7 +6,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 
-from dispatch.listen import probe_report
+from dispatch.listen import UNHEALTHY_STATES, probe_report
 
 
 class Command(BaseCommand):
@@ -53,7 +53,7 @@ class Command(BaseCommand):
                 problem = "stopped"
             elif age > options["max_age"]:
                 problem = f"no heartbeat for {age:.1f} s"
-            elif options["require_listen"] and probe.state in ("silent", "disconnected"):
+            elif options["require_listen"] and probe.state in UNHEALTHY_STATES:
                 problem = f"LISTEN connection {probe.state}"
             verdict = {
                 "healthy": not problem,
