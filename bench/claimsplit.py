@@ -17,7 +17,8 @@ CLAIM = (
 
 
 def sample(args: Any) -> dict[str, list[float]]:
-    from dispatch import claims, services
+    from dispatch import services
+    from dispatch.worker import claims
 
     out: dict[str, list[float]] = {"stamp": [], "function": [], "round trip": [], "trigger": []}
     with common.connect(args.server, common.DISPATCH_DB) as conn:

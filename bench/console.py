@@ -30,7 +30,7 @@ def _nodes(node: dict[str, Any], limited: bool = False):
 
 def fill(conn: Any, n: int) -> tuple[str, str]:
     common.reset_dispatch(conn)
-    from tests.factories import BindingFactory
+    from tests.support.factories import BindingFactory
 
     a, b = BindingFactory(), BindingFactory()
     conn.execute(

@@ -26,7 +26,7 @@ from typing import Any
 
 from bench import common
 from project.embedded_pg import EmbeddedPostgres
-from project.pgbouncer import free_port
+from tools.pgbouncer import free_port
 
 DB = "dispatch_bench_herd"
 FLEETS = (1, 8, 32)

@@ -15,7 +15,7 @@ from typing import Any
 
 from bench import common
 from project.embedded_pg import EmbeddedPostgres
-from project.pgbouncer import PgBouncer, free_port
+from tools.pgbouncer import PgBouncer, free_port
 
 DB = "dispatch_bench_pgbouncer"
 

@@ -32,7 +32,7 @@ import psycopg
 
 from bench import common
 from project.embedded_pg import EmbeddedPostgres
-from project.pgbouncer import free_port
+from tools.pgbouncer import free_port
 
 DB = "dispatch_soak"
 WORKER_TAG = "soak"

@@ -357,8 +357,8 @@ def variant_worker_main(concurrency: int, worker_id: str, flags: str, burst: boo
     import django
 
     django.setup()
-    from dispatch import claims
-    from dispatch.coordinator import WorkerDispatchCoordinator
+    from dispatch.worker import claims
+    from dispatch.worker.coordinator import WorkerDispatchCoordinator
 
     chosen = set(flags.split(",")) - {""}
     if "claim" in chosen:

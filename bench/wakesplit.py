@@ -33,7 +33,7 @@ def worker_main(argv: list[str]) -> int:
     django.setup()
     from django.core.management import execute_from_command_line
 
-    from dispatch import claims, coordinator
+    from dispatch.worker import claims, coordinator
 
     cls = coordinator.WorkerDispatchCoordinator
     wait, admit = cls._wait, cls._claim_notified

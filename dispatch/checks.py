@@ -44,7 +44,7 @@ def check_keys_open_stored_configs(app_configs: Any = None, **kwargs: Any) -> li
     """dispatch.E003: well-formed keys that open none of the sampled stored configs (a
     wrong key); dispatch.E004: some sampled configs stay closed (a key still in use was
     dropped from the list). Both stop `runworker` and the site at start-up."""
-    from dispatch import keycheck
+    from dispatch.security import keycheck
 
     if check_encryption_keys():
         return []  # E001/E002 already say what is wrong

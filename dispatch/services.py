@@ -431,7 +431,7 @@ def set_binding_cursor(binding: JobBinding, cursor: list[str] | None, *, by: Any
         )
     except ConnectorError as exc:
         raise ActionRefused("SINK_FAILED", f"sink: {exc}") from None
-    from dispatch import claims
+    from dispatch.worker import claims
 
     claims.record_cursor_copy(binding.pk, committed, changed_by=_who(by) or "operator")
     log.info(

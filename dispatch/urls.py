@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from django.urls import path
 
-from dispatch import conf, health, metrics
+from dispatch import conf
+from dispatch.ops import health, metrics
 
 urlpatterns = [
     path("healthz", health.healthz, name="dispatch_healthz"),

@@ -136,7 +136,7 @@ def cmd_test(pytest_args: list[str]) -> int:
     steps = [
         ["ruff", "check", "."],
         ["ruff", "format", "--check", "."],
-        ["mypy", "dispatch", "scheduling", "project"],
+        ["mypy", "dispatch", "scheduling", "project", "tools"],
     ]
     bindir = Path(PYTHON).parent
     try:
@@ -144,7 +144,7 @@ def cmd_test(pytest_args: list[str]) -> int:
             print("$", " ".join(step), flush=True)
             if subprocess.run([str(bindir / step[0]), *step[1:]], cwd=ROOT, env=env).returncode:
                 return 1
-        # The admin console's browser tests (tests/test_browser.py) need a Chromium: as
+        # The admin console's browser tests (tests/console/test_browser.py) need a Chromium: as
         # root on Debian, install it; otherwise say loudly which tests are skipped, and
         # fail under CI, which must run them.
         if not have_chromium() and can_apt_install():
@@ -166,8 +166,8 @@ def cmd_test(pytest_args: list[str]) -> int:
             if env.get("CI"):
                 print("CI is set: failing, CI must run the browser tests.", flush=True)
                 return 1
-        # The transaction-pooling tests (tests/test_pgbouncer.py) start Debian's PgBouncer.
-        from project import pgbouncer
+        # The transaction-pooling tests (tests/worker/test_pgbouncer.py) start Debian's PgBouncer.
+        from tools import pgbouncer
 
         if pgbouncer.find() is None and can_apt_install():
             print("$ apt-get install -y pgbouncer  (no PgBouncer found)", flush=True)
@@ -178,7 +178,7 @@ def cmd_test(pytest_args: list[str]) -> int:
             )
         if pgbouncer.find() is None:
             print(
-                "!! NO PGBOUNCER FOUND: tests/test_pgbouncer.py will be SKIPPED "
+                "!! NO PGBOUNCER FOUND: tests/worker/test_pgbouncer.py will be SKIPPED "
                 "(apt-get install -y pgbouncer, as root).",
                 flush=True,
             )
@@ -213,8 +213,10 @@ def browser_tests() -> list[str]:
     """The browser tests' names, read from their file (no import, no collection)."""
     import re
 
-    text = (ROOT / "tests" / "test_browser.py").read_text()
-    return [f"tests/test_browser.py::{n}" for n in re.findall(r"^def (test_\w+)", text, re.M)]
+    text = (ROOT / "tests" / "console" / "test_browser.py").read_text()
+    return [
+        f"tests/console/test_browser.py::{n}" for n in re.findall(r"^def (test_\w+)", text, re.M)
+    ]
 
 
 def cmd_env() -> int:

@@ -38,11 +38,11 @@ from django.db import Error as DjangoDBError
 from django.db import connection, transaction
 from psycopg import sql
 
-from dispatch import listen as dispatch_listen
 from dispatch import services
 from dispatch import sqlfiles as dispatch_sqlfiles
 from dispatch.models import JobBinding, Run
 from dispatch.states import Trigger
+from dispatch.worker import listen as dispatch_listen
 from scheduling import conf, cron, sqlfiles
 from scheduling.models import MisfirePolicy, OverlapPolicy, SkipReason
 

@@ -25,7 +25,7 @@ from django.core.exceptions import ValidationError
 from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from dispatch import conf, deadline, limits, targets
+from dispatch import conf, deadline
 from dispatch.connectors import incremental, sqlsafety
 from dispatch.connectors.base import (
     Batch,
@@ -44,6 +44,7 @@ from dispatch.connectors.base import (
     int_field,
     require_object,
 )
+from dispatch.security import limits, targets
 
 SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 SINK_MODES = ("append", "replace", "upsert")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django import template
 from django.utils.safestring import SafeString
 
-from dispatch import admin_views
+from dispatch.console import views as admin_views
 
 register = template.Library()
 

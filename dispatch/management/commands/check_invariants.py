@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from dispatch import invariants
+from dispatch.verify import invariants
 
 
 class Command(BaseCommand):

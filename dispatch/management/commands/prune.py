@@ -4,7 +4,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from dispatch import alerts, binding_metrics, retention
+from dispatch.ops import alerts, binding_metrics, retention
 
 
 class Command(BaseCommand):

@@ -4,7 +4,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
-from dispatch import claims
+from dispatch.worker import claims
 
 
 class Command(BaseCommand):

@@ -4,7 +4,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
-from dispatch.keys import rotate_all
+from dispatch.ops.keys import rotate_all
 
 
 class Command(BaseCommand):

@@ -10,9 +10,10 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import OperationalError
 from django.utils.module_loading import import_string
 
-from dispatch import conf, deadline, maintenance, metrics, site_checks
-from dispatch.coordinator import WorkerDispatchCoordinator
-from dispatch.worker_logging import ensure_worker_logging
+from dispatch import conf, deadline, site_checks
+from dispatch.ops import maintenance, metrics
+from dispatch.worker.coordinator import WorkerDispatchCoordinator
+from dispatch.worker.log import ensure_worker_logging
 
 log = logging.getLogger("dispatch.worker")
 

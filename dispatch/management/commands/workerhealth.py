@@ -6,7 +6,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 
-from dispatch.listen import UNHEALTHY_STATES, probe_report
+from dispatch.worker.listen import UNHEALTHY_STATES, probe_report
 
 
 class Command(BaseCommand):

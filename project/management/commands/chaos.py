@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from project.chaos import Campaign, Options
+from tools.chaos import Campaign, Options
 
 
 class Command(BaseCommand):

@@ -1,0 +1,303 @@
+"""The datasource form: one form field per connector config field, secrets masked.
+
+Built from `registry.get(kind).config_fields`, so it works for any kind a site adds;
+a kind that declares no fields gets a JSON editor instead. Secret fields are password
+inputs that never render a value; left blank they keep the stored value. The form never
+puts a decrypted secret into a page: non-secret initial values come from the row's
+`redacted_config`, and the stored config is decrypted only on save, server-side.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django import forms
+from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
+
+from dispatch.connectors import registry
+from dispatch.connectors.base import ConfigField, Connector
+from dispatch.models import SECRET_MASK, Datasource
+from dispatch.security import jsondepth
+
+PREFIX = "config__"
+CLEAR_SUFFIX = "__clear"
+JSON_FIELD = "config_json"
+
+
+def kind_choices() -> list[tuple[str, str]]:
+    return [("", "---------")] + [
+        (kind, f"{kind} — {cls.label}" if cls.label else kind)
+        for kind, cls in sorted(registry.kinds().items())
+    ]
+
+
+def connector_for(kind: str | None) -> type[Connector] | None:
+    if not kind:
+        return None
+    try:
+        return registry.get(kind)
+    except registry.UnknownKind:
+        return None
+
+
+def config_field_names(kind: str | None, *, stored: dict[str, Any] | None = None) -> list[str]:
+    """The form field names of a kind's settings, in declaration order."""
+    connector = connector_for(kind)
+    if connector is None:
+        return []
+    if not connector.config_fields:
+        return [JSON_FIELD]
+    names: list[str] = []
+    for f in connector.config_fields:
+        names.append(PREFIX + f.name)
+        if f.secret and not f.required and stored and stored.get(f.name) not in (None, ""):
+            names.append(PREFIX + f.name + CLEAR_SUFFIX)
+    return names
+
+
+def _form_field(f: ConfigField, *, stored: bool) -> forms.Field:
+    help_text = f.help
+    if f.secret:
+        keep = (
+            "A value is stored; leave blank to keep it. Changing where it is sent (host, "
+            "port, user, ...) needs it again."
+            if stored
+            else ""
+        )
+        help_text = " ".join(x for x in (help_text, keep, "Never shown again after saving.") if x)
+        # render_value=False: the stored secret never travels back to the browser, not
+        # even after a failed submit.
+        return forms.CharField(
+            label=f.name,
+            required=False,
+            help_text=help_text,
+            strip=False,
+            widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"}),
+        )
+    if f.kind is bool:
+        return forms.BooleanField(label=f.name, required=False, help_text=help_text)
+    if f.kind is int:
+        return forms.IntegerField(label=f.name, required=f.required, help_text=help_text)
+    if f.kind is float:
+        return forms.FloatField(label=f.name, required=f.required, help_text=help_text)
+    return forms.CharField(label=f.name, required=f.required, help_text=help_text)
+
+
+class DatasourceForm(forms.ModelForm):  # type: ignore[type-arg]
+    """Name, kind, enabled, plus the kind's settings (see the module docstring)."""
+
+    kind = forms.ChoiceField(choices=kind_choices, help_text="The connector kind.")
+    # The kind whose settings this form was rendered with: a submit whose kind differs
+    # re-displays the form with the new kind's settings instead of saving.
+    config_kind = forms.CharField(required=False, widget=forms.HiddenInput)
+
+    class Meta:
+        model = Datasource
+        fields = ["name", "kind", "enabled"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        instance: Datasource = self.instance
+        adding = instance._state.adding
+        if not adding:
+            # A datasource keeps its kind (bindings' specs were validated against it).
+            self.fields.pop("kind", None)
+            self.kind_value: str | None = instance.kind
+        elif self.is_bound:
+            self.kind_value = self.data.get("kind") or None
+        else:
+            self.kind_value = self.initial.get("kind") or None
+        self.connector = connector_for(self.kind_value)
+        self.kind_switched = False
+        if self.is_bound and adding:
+            rendered = self.data.get("config_kind") or None
+            self.kind_switched = rendered != self.kind_value
+            data = self.data.copy()  # type: ignore[attr-defined]
+            data["config_kind"] = self.kind_value or ""
+            self.data = data
+        else:
+            self.initial["config_kind"] = self.kind_value or ""
+        stored = {} if adding else dict(instance.redacted_config or {})
+        if self.connector is not None and not self.connector.config_fields:
+            self.fields[JSON_FIELD] = forms.CharField(
+                label="config (JSON)",
+                required=False,
+                widget=forms.Textarea(attrs={"rows": 6}),
+                help_text=f"The {self.kind_value} kind declares no settings fields; enter a JSON "
+                "object ({} for none). Masked values are kept as stored.",
+            )
+            self.initial.setdefault(JSON_FIELD, json.dumps(stored, indent=2, sort_keys=True))
+        elif self.connector is not None:
+            for f in self.connector.config_fields:
+                has_value = stored.get(f.name) not in (None, "")
+                self.fields[PREFIX + f.name] = _form_field(f, stored=has_value)
+                if f.secret:
+                    if not f.required and has_value:
+                        self.fields[PREFIX + f.name + CLEAR_SUFFIX] = forms.BooleanField(
+                            label=f"clear {f.name}",
+                            required=False,
+                            help_text=f"Remove the stored {f.name}.",
+                        )
+                elif has_value:
+                    # redacted_config holds non-secret values as they are.
+                    self.initial.setdefault(PREFIX + f.name, stored[f.name])
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        if self.kind_switched:
+            # The settings shown were another kind's: their errors are noise.
+            for name in [n for n in self.errors if n.startswith(PREFIX) or n == JSON_FIELD]:
+                del self.errors[name]
+            raise ValidationError(
+                f"The kind is now {self.kind_value}: fill in its settings below and save again."
+            )
+        if self.errors:
+            return cleaned
+        if self.connector is None:
+            self.add_error("kind", f"unknown connector kind {self.kind_value!r}")
+            return cleaned
+        previous = self._stored_config()
+        if JSON_FIELD in self.fields:
+            config = self._config_from_json(cleaned.get(JSON_FIELD) or "", previous)
+        else:
+            config = self._config_from_fields(cleaned, previous)
+        if config is None or self.errors:
+            return cleaned
+        try:
+            config = self.connector.validate_config(config)
+        except ValidationError as exc:
+            self._add_config_errors(exc)
+            return cleaned
+        self.instance.kind = self.kind_value or ""
+        self.instance.config = config
+        return cleaned
+
+    def _post_clean(self) -> None:  # type: ignore[misc]
+        # Nothing is saved with errors; skipping the model's clean() then avoids reporting
+        # the same config errors twice (once per field, once from the model).
+        if self.errors:
+            return
+        super()._post_clean()  # type: ignore[misc]
+
+    def _update_errors(self, errors: ValidationError) -> None:  # type: ignore[misc]
+        # The model's clean() names config keys ("password"); map them to this form's
+        # field names so they show beside the right input.
+        if hasattr(errors, "error_dict"):
+            remapped: dict[str, list[Any]] = {}
+            for key, errs in errors.error_dict.items():
+                if key in self.fields or key == NON_FIELD_ERRORS:
+                    remapped.setdefault(key, []).extend(errs)
+                elif PREFIX + key in self.fields:
+                    remapped.setdefault(PREFIX + key, []).extend(errs)
+                else:
+                    remapped.setdefault(NON_FIELD_ERRORS, []).extend(
+                        f"{key}: {m}" for e in errs for m in e.messages
+                    )
+            errors = ValidationError(remapped)
+        super()._update_errors(errors)  # type: ignore[misc]
+
+    def _stored_config(self) -> dict[str, Any]:
+        if self.instance._state.adding:
+            return {}
+        try:
+            return self.instance.config
+        except Exception:  # noqa: BLE001 - an unreadable config must not break the page
+            # No detail: the exception could name key material. The operator re-enters
+            # every secret; blank secrets are then missing, and required ones say so.
+            self.add_error(
+                None,
+                "The stored settings cannot be decrypted (unknown key?): "
+                "enter every secret again to replace them.",
+            )
+            return {}
+
+    def _config_from_fields(
+        self, cleaned: dict[str, Any], previous: dict[str, Any]
+    ) -> dict[str, Any]:
+        assert self.connector is not None
+        config: dict[str, Any] = {}
+        moved = self._destination_changes(cleaned, previous)
+        for f in self.connector.config_fields:
+            value = cleaned.get(PREFIX + f.name)
+            if f.secret:
+                if cleaned.get(PREFIX + f.name + CLEAR_SUFFIX):
+                    continue
+                if value in (None, "") and moved and previous.get(f.name) not in (None, ""):
+                    # A stored secret is sent only where it was entered for.
+                    self.add_error(
+                        PREFIX + f.name,
+                        f"{', '.join(moved)} changed: enter the {f.name} again (a stored "
+                        f"{f.name} is never sent to a new destination)"
+                        + (", or clear it" if not f.required else ""),
+                    )
+                    continue
+                if value in (None, ""):
+                    value = previous.get(f.name)  # blank keeps the stored secret
+                if value in (None, ""):
+                    if f.required:
+                        self.add_error(PREFIX + f.name, "this field is required")
+                    continue
+            elif value in (None, "") and f.kind is not bool:
+                continue
+            config[f.name] = value
+        return config
+
+    def _destination_changes(self, cleaned: dict[str, Any], previous: dict[str, Any]) -> list[str]:
+        """The destination fields (ConfigField.destination) whose value this submit changes."""
+        assert self.connector is not None
+        if self.instance._state.adding:
+            return []
+
+        def norm(value: Any) -> Any:
+            return None if value in (None, "") else value
+
+        return [
+            f.name
+            for f in self.connector.config_fields
+            if f.destination and norm(cleaned.get(PREFIX + f.name)) != norm(previous.get(f.name))
+        ]
+
+    def _config_from_json(self, text: str, previous: dict[str, Any]) -> dict[str, Any] | None:
+        if jsondepth.text_too_deep(text):
+            self.add_error(JSON_FIELD, f"this JSON {jsondepth.MESSAGE}")
+            return None
+        try:
+            config = json.loads(text or "{}")
+        except json.JSONDecodeError as exc:
+            self.add_error(JSON_FIELD, f"not valid JSON: {exc.msg} (line {exc.lineno})")
+            return None
+        if not isinstance(config, dict):
+            self.add_error(JSON_FIELD, "must be a JSON object")
+            return None
+        # A masked value sent back unchanged keeps what is stored, unless another value
+        # changed: the kind declares no fields, so any of them may say where the secret goes.
+        masked = [k for k, v in config.items() if v == SECRET_MASK and k in previous]
+        changed = sorted(
+            k
+            for k in set(config) | set(previous)
+            if k not in masked and config.get(k) != previous.get(k)
+        )
+        if masked and changed:
+            self.add_error(
+                JSON_FIELD,
+                f"{', '.join(changed)} changed: enter {', '.join(masked)} again (a stored "
+                "secret is never sent to a new destination)",
+            )
+            return None
+        return {k: (previous[k] if k in masked else v) for k, v in config.items()}
+
+    def _add_config_errors(self, exc: ValidationError) -> None:
+        if not hasattr(exc, "error_dict"):
+            self.add_error(JSON_FIELD if JSON_FIELD in self.fields else None, exc.messages)
+            return
+        for name, errors in exc.error_dict.items():
+            target = PREFIX + name if PREFIX + name in self.fields else None
+            if target is None and JSON_FIELD in self.fields:
+                target = JSON_FIELD
+            messages = [
+                f"{name}: {m}" if target in (None, JSON_FIELD) else m
+                for e in errors
+                for m in e.messages
+            ]
+            self.add_error(target, messages)

@@ -1,0 +1,51 @@
+"""dispatch's models: the core tables (datasources, jobs, bindings, runs, attempts,
+cursors, workers) and the operations tables (health, alerts, metrics, maintenance
+cursors). Django finds every model through this package; import them from here."""
+
+from dispatch.models.core import (
+    MAX_JSON_BYTES,
+    SECRET_MASK,
+    Attempt,
+    BindingCursor,
+    Datasource,
+    Job,
+    JobBinding,
+    Overview,
+    Run,
+    Worker,
+    check_json_size,
+    redact,
+)
+from dispatch.models.ops import (
+    MAX_ALERT_RECIPIENTS,
+    Alert,
+    AlertKind,
+    AlertStatus,
+    BindingHealth,
+    BindingMetrics,
+    HealthState,
+    OpsState,
+)
+
+__all__ = [
+    "MAX_ALERT_RECIPIENTS",
+    "MAX_JSON_BYTES",
+    "SECRET_MASK",
+    "Alert",
+    "AlertKind",
+    "AlertStatus",
+    "Attempt",
+    "BindingCursor",
+    "BindingHealth",
+    "BindingMetrics",
+    "Datasource",
+    "HealthState",
+    "Job",
+    "JobBinding",
+    "OpsState",
+    "Overview",
+    "Run",
+    "Worker",
+    "check_json_size",
+    "redact",
+]

@@ -1,0 +1,76 @@
+"""The maintenance loop every worker runs in a background thread (`runworker`, unless
+`DISPATCH_MAINTENANCE` is off): retention at a low rate, the health scan (alerts and
+auto-disable) and the alert outbox's drain.
+
+No leader: each task is idempotent and gated by a conditional update on
+`dispatch_opsstate` (see `dispatch.ops.retention.begin_pass`), so with any number of workers
+each task runs about once per interval. Nothing here runs on the worker's claim or
+execution path; a failure is logged and retried on the next tick.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from django.db import connection
+
+from dispatch import conf
+from dispatch.ops import retention
+
+log = logging.getLogger("dispatch.maintenance")
+
+
+def tick_seconds() -> float:
+    """How often the loop looks at its tasks' local timers (no database work)."""
+    return 1.0
+
+
+def _health() -> object:
+    from dispatch.ops import alerts
+
+    return alerts.maybe_scan_and_drain()
+
+
+# Tasks: (name, call, interval). A call gates itself across workers (a conditional update
+# on dispatch_opsstate; None: another worker ran it within its interval). Locally, a
+# worker tries a task again after half its interval when it was not its turn, and after a
+# whole interval when it ran it: about two transactions per interval and task per worker,
+# whatever the tick.
+TASKS: list[tuple[str, Callable[[], object], Callable[[], float]]] = [
+    ("retention", retention.maybe_prune, conf.retention_interval),
+    ("health", _health, conf.health_interval),
+]
+
+
+def run_once(now: float | None = None, due: dict[str, float] | None = None) -> dict[str, object]:
+    """One tick: every task whose local timer in `due` has come (all of them without
+    `due`). Returns what each did (None: not its turn; absent: not tried)."""
+    now = time.monotonic() if now is None else now
+    done: dict[str, object] = {}
+    for name, task, interval in TASKS:
+        if due is not None and due.get(name, 0.0) > now:
+            continue
+        try:
+            done[name] = result = task()
+        except Exception as exc:  # noqa: BLE001 - one task's failure never stops the others
+            log.warning("maintenance task failed task=%s error=%s", name, exc)
+            done[name] = result = exc
+            with contextlib.suppress(Exception):
+                connection.close()  # a broken connection is rebuilt on the next tick
+        if due is not None:
+            due[name] = now + interval() * (0.5 if result is None else 1.0)
+    return done
+
+
+def run_loop(stop_event: threading.Event) -> None:
+    """Entry point of the worker's maintenance thread."""
+    due: dict[str, float] = {}
+    try:
+        while not stop_event.wait(tick_seconds()):
+            run_once(due=due)
+    finally:
+        connection.close()

@@ -1,0 +1,894 @@
+"""The invariant checker: read the dispatch tables (and every PostgreSQL sink) and report
+what the product promises never happens (contract sections 2, 4, 5 and 7).
+
+`load()` reads the runs in a `Scope` and their attempts in one pass; each `check_*`
+function is small, takes that state and returns the violations it finds, so a test can
+build one violating state on purpose and see exactly that check report it. The checker
+only reads: it never repairs, retries or settles anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connection
+
+from dispatch.ops import retention
+from dispatch.states import TERMINAL_RUN_STATUSES, Origin, Reason, Status
+
+# Reasons that say the attempt's worker lost it (lease or release): such an attempt can
+# never be the one that SUCCEEDED.
+LOST_REASONS = frozenset(
+    {Reason.LEASE_EXPIRED, Reason.SHUTDOWN_RELEASED, Reason.RELEASED_BY_OPERATOR}
+)
+# Attempt statuses that end with a settlement that must name its reason.
+NEEDS_REASON = frozenset({Status.RETRY_SCHEDULED, Status.FAILED, Status.CANCELLED})
+# Slots enumerated per schedule at most (a runaway window is a bug in the caller).
+MAX_SLOTS = 100_000
+
+
+@dataclass(frozen=True)
+class Violation:
+    check: str
+    subject: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.check}] {self.subject}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Which runs to check: listed ids, runs tagged with `requested_by`, runs of the
+    listed schedules; everything when all three are empty."""
+
+    run_ids: frozenset[uuid.UUID] = frozenset()
+    requested_by: str | None = None
+    schedule_ids: frozenset[uuid.UUID] = frozenset()
+
+    @property
+    def everything(self) -> bool:
+        return not self.run_ids and not self.requested_by and not self.schedule_ids
+
+
+@dataclass(frozen=True)
+class RunRow:
+    id: uuid.UUID
+    binding_id: uuid.UUID
+    status: str
+    created_at: datetime
+    finished_at: datetime | None
+    cancel_requested_at: datetime | None
+    schedule_id: uuid.UUID | None
+    scheduled_for: datetime | None
+
+
+@dataclass(frozen=True)
+class AttemptRow:
+    id: uuid.UUID
+    run_id: uuid.UUID
+    number: int
+    origin: str
+    status: str
+    reason: str | None
+    worker_id: str | None
+    lease_token: int | None
+    lease_until: datetime | None
+    created_at: datetime
+    claimed_at: datetime | None
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True)
+class BindingRow:
+    id: uuid.UUID
+    max_attempts: int
+    source_kind: str
+    source_spec: dict[str, Any]
+    sink_id: uuid.UUID
+    sink_kind: str
+    sink_spec: dict[str, Any]
+    source_id: uuid.UUID | None = None
+
+
+@dataclass
+class State:
+    """What the checks read: the runs in scope, their attempts and their bindings."""
+
+    scope: Scope
+    runs: dict[uuid.UUID, RunRow] = field(default_factory=dict)
+    attempts: dict[uuid.UUID, list[AttemptRow]] = field(default_factory=dict)
+    bindings: dict[uuid.UUID, BindingRow] = field(default_factory=dict)
+    db_now: datetime | None = None
+    # Runs finished up to here may have been deleted by retention (dispatch.ops.retention).
+    pruned_through: datetime | None = None
+
+    def attempts_of(self, run_id: uuid.UUID) -> list[AttemptRow]:
+        return self.attempts.get(run_id, [])
+
+
+@dataclass
+class Report:
+    violations: list[Violation] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    counts: Counter[str] = field(default_factory=Counter)
+    # The incremental bindings checked (dispatch.verify.incremental.IncrementalSink).
+    incremental: list[Any] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def render(self) -> str:
+        lines = [
+            "invariants: "
+            + ("OK" if self.ok else f"{len(self.violations)} VIOLATION(S)")
+            + " ("
+            + ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
+            + ")"
+        ]
+        by_check: dict[str, list[Violation]] = defaultdict(list)
+        for v in self.violations:
+            by_check[v.check].append(v)
+        for check, found in sorted(by_check.items()):
+            lines.append(f"  {check}: {len(found)}")
+            lines.extend(f"    {v.subject}: {v.message}" for v in found[:50])
+            if len(found) > 50:
+                lines.append(f"    ... and {len(found) - 50} more")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+# --- reading ------------------------------------------------------------------------------
+def _rows(sql_text: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    with connection.cursor() as cursor:
+        cursor.execute(sql_text, params)
+        return list(cursor.fetchall())
+
+
+def _json(value: Any) -> dict[str, Any]:
+    # Django's cursor hands jsonb back as text (its JSONField decodes it, not the driver).
+    decoded = json.loads(value) if isinstance(value, str) else value
+    return decoded if isinstance(decoded, dict) else {}
+
+
+def load(scope: Scope) -> State:
+    """Read the runs in scope, their attempts and bindings (one statement each)."""
+    state = State(scope=scope)
+    state.db_now = _rows("SELECT now()", {})[0][0]
+    state.pruned_through = retention.pruned_through()
+    for row in _rows(
+        "SELECT id, binding_id, status, created_at, finished_at, cancel_requested_at,"
+        "       schedule_id, scheduled_for"
+        "  FROM dispatch_run r"
+        " WHERE %(all)s OR r.id = ANY(%(ids)s::uuid[]) OR r.requested_by = %(tag)s"
+        "    OR r.schedule_id = ANY(%(schedules)s::uuid[])",
+        {
+            "all": scope.everything,
+            "ids": list(scope.run_ids),
+            "tag": scope.requested_by,
+            "schedules": list(scope.schedule_ids),
+        },
+    ):
+        state.runs[row[0]] = RunRow(*row)
+    run_ids = list(state.runs)
+    for row in _rows(
+        "SELECT id, run_id, number, origin, status, reason, worker_id, lease_token,"
+        "       lease_until, created_at, claimed_at, finished_at"
+        "  FROM dispatch_attempt WHERE run_id = ANY(%(runs)s::uuid[])"
+        " ORDER BY run_id, number",
+        {"runs": run_ids},
+    ):
+        state.attempts.setdefault(row[1], []).append(AttemptRow(*row))
+    binding_ids = list({r.binding_id for r in state.runs.values()})
+    for row in _rows(
+        "SELECT b.id, j.max_attempts, src.kind, j.source_spec, snk.id, snk.kind, j.sink_spec,"
+        "       src.id"
+        "  FROM dispatch_jobbinding b JOIN dispatch_job j ON j.id = b.job_id"
+        "  JOIN dispatch_datasource src ON src.id = b.source_id"
+        "  JOIN dispatch_datasource snk ON snk.id = b.sink_id"
+        " WHERE b.id = ANY(%(ids)s::uuid[])",
+        {"ids": binding_ids},
+    ):
+        b_id, max_attempts, source_kind, source_spec, sink_id, sink_kind, sink_spec, src = row
+        state.bindings[b_id] = BindingRow(
+            b_id,
+            max_attempts,
+            source_kind,
+            _json(source_spec),
+            sink_id,
+            sink_kind,
+            _json(sink_spec),
+            src,
+        )
+    return state
+
+
+# --- runs -----------------------------------------------------------------------------------
+def check_expected_runs_exist(state: State) -> list[Violation]:
+    """Every run id the caller created is in the database (none lost)."""
+    return [
+        Violation("run_lost", str(run_id), "the run was created but is not in dispatch_run")
+        for run_id in sorted(state.scope.run_ids - set(state.runs), key=str)
+    ]
+
+
+def check_runs_terminal(state: State) -> list[Violation]:
+    """After quiescence every run is SUCCEEDED, FAILED or CANCELLED (none stuck)."""
+    found = []
+    for run in state.runs.values():
+        if run.status not in TERMINAL_RUN_STATUSES:
+            live = [a for a in state.attempts_of(run.id) if a.status in Status.values]
+            last = live[-1] if live else None
+            detail = (
+                f"latest attempt {last.number} is {last.status} (worker {last.worker_id})"
+                if last
+                else "no attempt"
+            )
+            found.append(Violation("run_not_terminal", str(run.id), f"{run.status}; {detail}"))
+    return found
+
+
+def check_run_status_matches_latest_attempt(state: State) -> list[Violation]:
+    """A run's status is its latest attempt's status, and finished_at is set exactly when
+    it is terminal."""
+    found = []
+    for run in state.runs.values():
+        attempts = state.attempts_of(run.id)
+        if not attempts:
+            found.append(Violation("run_status", str(run.id), "the run has no attempt"))
+            continue
+        latest = attempts[-1]
+        if latest.status != run.status:
+            found.append(
+                Violation(
+                    "run_status",
+                    str(run.id),
+                    f"run is {run.status} but its latest attempt {latest.number} is "
+                    f"{latest.status}",
+                )
+            )
+        if (run.status in TERMINAL_RUN_STATUSES) != (run.finished_at is not None):
+            found.append(
+                Violation(
+                    "run_status",
+                    str(run.id),
+                    f"run is {run.status} with finished_at={run.finished_at}",
+                )
+            )
+    return found
+
+
+# --- attempts --------------------------------------------------------------------------------
+def check_one_success(state: State) -> list[Violation]:
+    """At most one SUCCEEDED attempt per run."""
+    found = []
+    for run_id, attempts in state.attempts.items():
+        won = [a.number for a in attempts if a.status == Status.SUCCEEDED]
+        if len(won) > 1:
+            found.append(
+                Violation("duplicate_success", str(run_id), f"attempts {won} all SUCCEEDED")
+            )
+    return found
+
+
+def check_attempt_numbers(state: State) -> list[Violation]:
+    """Attempt numbers are 1, 2, ... without gaps, and attempt 1 is the TRIGGER one."""
+    found = []
+    for run_id, attempts in state.attempts.items():
+        numbers = [a.number for a in attempts]
+        if numbers != list(range(1, len(numbers) + 1)):
+            found.append(
+                Violation("attempt_numbers", str(run_id), f"numbers {numbers} are not 1..n")
+            )
+        elif attempts[0].origin != Origin.TRIGGER:
+            found.append(
+                Violation(
+                    "attempt_numbers",
+                    str(run_id),
+                    f"attempt 1 has origin {attempts[0].origin}, not TRIGGER",
+                )
+            )
+    return found
+
+
+def budgets(attempts: list[AttemptRow]) -> list[list[AttemptRow]]:
+    """Split a run's attempts into retry budgets (contract section 2): each starts at a
+    TRIGGER or OPERATOR attempt; RELEASE successors belong to no budget."""
+    out: list[list[AttemptRow]] = []
+    for a in attempts:
+        if a.origin in (Origin.TRIGGER, Origin.OPERATOR) or not out:
+            out.append([])
+        if a.origin != Origin.RELEASE:
+            out[-1].append(a)
+    return out
+
+
+def check_retry_budget(state: State) -> list[Violation]:
+    """No budget holds more attempts than the job's max_attempts."""
+    found = []
+    for run_id, attempts in state.attempts.items():
+        binding = state.bindings.get(state.runs[run_id].binding_id)
+        if binding is None:
+            continue
+        for budget in budgets(attempts):
+            if len(budget) > binding.max_attempts:
+                found.append(
+                    Violation(
+                        "retry_budget",
+                        str(run_id),
+                        f"budget starting at attempt {budget[0].number} holds {len(budget)} "
+                        f"attempts, max_attempts is {binding.max_attempts}",
+                    )
+                )
+    return found
+
+
+def check_settled_reasons(state: State) -> list[Violation]:
+    """Every settled attempt that did not succeed names its reason; an attempt that lost
+    its lease (or was released) was never marked SUCCEEDED; a SUCCEEDED attempt carries no
+    reason but ALREADY_COMMITTED."""
+    found = []
+    for attempts in state.attempts.values():
+        for a in attempts:
+            subject = f"{a.run_id} attempt {a.number}"
+            if a.status in NEEDS_REASON and not a.reason:
+                found.append(Violation("reason", subject, f"{a.status} without a reason"))
+            if a.status == Status.SUCCEEDED and a.reason in LOST_REASONS:
+                found.append(
+                    Violation(
+                        "reason", subject, f"SUCCEEDED although it lost its lease ({a.reason})"
+                    )
+                )
+            if a.status == Status.SUCCEEDED and a.reason not in (None, Reason.ALREADY_COMMITTED):
+                found.append(Violation("reason", subject, f"SUCCEEDED with reason {a.reason}"))
+            if a.status == Status.RETRY_SCHEDULED and a is attempts[-1]:
+                found.append(Violation("reason", subject, "RETRY_SCHEDULED without a successor"))
+    return found
+
+
+def check_no_stale_finish(state: State) -> list[Violation]:
+    """No attempt was settled after a later attempt of its run was created or claimed: a
+    stale worker (its lease expired, a successor already running) never wrote an outcome.
+    Both timestamps come from PostgreSQL's clock; the successor is created in the very
+    statement that settles its predecessor, so equality is the normal case."""
+    found = []
+    for attempts in state.attempts.values():
+        for earlier, later in zip(attempts, attempts[1:], strict=False):
+            if earlier.finished_at is None:
+                found.append(
+                    Violation(
+                        "stale_finish",
+                        f"{earlier.run_id} attempt {earlier.number}",
+                        f"still {earlier.status} while attempt {later.number} exists",
+                    )
+                )
+                continue
+            start = min(t for t in (later.created_at, later.claimed_at) if t is not None)
+            if earlier.finished_at > start:
+                lease = (
+                    f" (its lease ran until {earlier.lease_until.isoformat()})"
+                    if earlier.lease_until
+                    else ""
+                )
+                found.append(
+                    Violation(
+                        "stale_finish",
+                        f"{earlier.run_id} attempt {earlier.number}",
+                        f"finished {earlier.status} at {earlier.finished_at.isoformat()}, after "
+                        f"attempt {later.number} began at {start.isoformat()}{lease}",
+                    )
+                )
+    return found
+
+
+# --- PostgreSQL sinks ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class FenceRow:
+    run_id: uuid.UUID
+    binding_id: uuid.UUID | None
+    token: int
+    attempt_id: uuid.UUID | None
+    committed_at: datetime | None
+
+
+@dataclass
+class SinkTable:
+    """One PostgreSQL sink table and what it holds, read from the sink database."""
+
+    datasource_id: uuid.UUID
+    schema: str
+    table: str
+    mode: str
+    binding_ids: set[uuid.UUID] = field(default_factory=set)
+    # run id -> its fence row, for every run of these bindings the sink has seen.
+    fences: dict[uuid.UUID, FenceRow] = field(default_factory=dict)
+    # Expected ids 1..rows per committed run (a generate source), or None if unknown.
+    rows_per_run: int | None = None
+    # multiplicity -> how many ids occur that many times; total rows; min and max id.
+    multiplicity: dict[int, int] = field(default_factory=dict)
+    total_rows: int = 0
+    id_range: tuple[int | None, int | None] = (None, None)
+    # Values compared (`check(values=True)`, a PostgreSQL table source that does not
+    # change): each row's text (`row::text`) and how often it occurs, in the source and in
+    # the sink.
+    source_values: Counter[str] | None = None
+    sink_values: Counter[str] | None = None
+    error: str | None = None
+    # Every binding writing here reads incrementally: `check_incremental` compares it.
+    incremental: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.schema}.{self.table}"
+
+    def committed_fences(self) -> int:
+        return sum(1 for f in self.fences.values() if f.committed_at is not None)
+
+
+def _sink_bindings(state: State) -> dict[tuple[uuid.UUID, str], list[BindingRow]]:
+    grouped: dict[tuple[uuid.UUID, str], list[BindingRow]] = defaultdict(list)
+    for b in state.bindings.values():
+        if b.sink_kind == "postgresql" and isinstance(b.sink_spec.get("table"), str):
+            grouped[(b.sink_id, b.sink_spec["table"])].append(b)
+    return grouped
+
+
+@contextlib.contextmanager
+def _sink_connection(datasource_id: uuid.UUID) -> Iterator[Any]:
+    from dispatch.connectors import postgresql
+    from dispatch.models import Datasource
+
+    config = Datasource.objects.get(pk=datasource_id).config
+    conn = postgresql.connect(config, what="invariant check")
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def _table_values(conn: Any, schema: str | None, name: str) -> Counter[str]:
+    from psycopg import sql
+
+    table = sql.Identifier(schema, name) if schema else sql.Identifier(name)
+    return Counter(
+        r[0] for r in conn.execute(sql.SQL("SELECT t::text FROM {} t").format(table)).fetchall()
+    )
+
+
+def _value_source(bindings: list[BindingRow]) -> tuple[uuid.UUID, str] | None:
+    """The one PostgreSQL table (not a query, not an incremental read) every binding of a
+    sink table reads, if there is one."""
+    sources = {
+        (b.source_id, b.source_spec.get("table"))
+        if b.source_kind == "postgresql"
+        and isinstance(b.source_spec.get("table"), str)
+        and not b.source_spec.get("incremental")
+        and b.source_id is not None
+        else None
+        for b in bindings
+    }
+    only = next(iter(sources)) if len(sources) == 1 else None
+    return None if only is None else (only[0], str(only[1]))  # type: ignore[index]
+
+
+def load_sinks(state: State, *, values: bool = False) -> list[SinkTable]:
+    """Read the fence rows and the row multiplicities of every PostgreSQL sink table that
+    a binding in scope writes to; with `values`, every row's text in the sink and in its
+    source table (which must not change meanwhile). Sink errors become `SinkTable.error`
+    (a violation)."""
+    from psycopg import sql
+
+    from dispatch.connectors import postgresql
+
+    tables: list[SinkTable] = []
+    for (datasource_id, spec_table), bindings in sorted(
+        _sink_bindings(state).items(), key=lambda kv: (str(kv[0][0]), kv[0][1])
+    ):
+        schema, name = postgresql.parse_table(spec_table)
+        sink = SinkTable(
+            datasource_id, schema or "", name, str(bindings[0].sink_spec.get("mode", "append"))
+        )
+        sink.binding_ids = {b.id for b in bindings}
+        sink.incremental = all(isinstance(b.source_spec.get("incremental"), dict) for b in bindings)
+        sizes = {
+            b.source_spec.get("rows") if b.source_kind == "generate" else None for b in bindings
+        }
+        sink.rows_per_run = next(iter(sizes)) if len(sizes) == 1 else None
+        tables.append(sink)
+        try:
+            with _sink_connection(datasource_id) as conn:
+                if not sink.schema:
+                    sink.schema = conn.execute("SELECT current_schema()").fetchone()[0]
+                fence = sql.SQL("{}.{}").format(
+                    sql.Identifier(sink.schema), sql.Identifier("dispatch_fence")
+                )
+                target = sql.SQL("{}.{}").format(sql.Identifier(sink.schema), sql.Identifier(name))
+                exists = conn.execute(
+                    "SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL",
+                    [fence.as_string(conn), target.as_string(conn)],
+                ).fetchone()
+                if exists[0]:
+                    for row in conn.execute(
+                        sql.SQL(
+                            "SELECT run_id, binding_id, token, attempt_id, committed_at"
+                            " FROM {} WHERE binding_id = ANY(%s::uuid[])"
+                        ).format(fence),
+                        [list(sink.binding_ids)],
+                    ):
+                        sink.fences[row[0]] = FenceRow(*row)
+                if exists[1] and sink.rows_per_run is not None:
+                    # How many ids occur once, twice, ...: an exactly-once sink holds every
+                    # id 1..rows as many times as runs committed, and nothing else.
+                    sink.multiplicity = dict(
+                        conn.execute(
+                            sql.SQL(
+                                "SELECT c, count(*) FROM (SELECT id, count(*) AS c FROM {}"
+                                " GROUP BY id) x GROUP BY c"
+                            ).format(target)
+                        ).fetchall()
+                    )
+                    total, low, high = conn.execute(
+                        sql.SQL("SELECT count(*), min(id), max(id) FROM {}").format(target)
+                    ).fetchone()
+                    sink.total_rows, sink.id_range = int(total), (low, high)
+                source = _value_source(bindings) if values else None
+                if source is not None:
+                    sink.sink_values = (
+                        _table_values(conn, sink.schema, name) if exists[1] else Counter()
+                    )
+            if source is not None:
+                with _sink_connection(source[0]) as conn:
+                    sink.source_values = _table_values(conn, *postgresql.parse_table(source[1]))
+        except Exception as exc:  # noqa: BLE001 - a sink we cannot read is reported, not fatal
+            sink.error = " ".join(str(exc).split())[:300] or type(exc).__name__
+    return tables
+
+
+def check_sink_fences(state: State, sinks: list[SinkTable]) -> list[Violation]:
+    """For every run with a PostgreSQL sink: a SUCCEEDED run's fence is committed and names
+    an attempt of that run holding the fence's token, which is the SUCCEEDED attempt or an
+    earlier one (then the SUCCEEDED one says ALREADY_COMMITTED); a committed fence never
+    names an attempt that was not its run's."""
+    found = []
+    for sink in sinks:
+        if sink.error:
+            found.append(Violation("sink_fence", sink.name, f"sink unreadable: {sink.error}"))
+            continue
+        for run in state.runs.values():
+            if run.binding_id not in sink.binding_ids:
+                continue
+            attempts = {a.id: a for a in state.attempts_of(run.id)}
+            won = [a for a in attempts.values() if a.status == Status.SUCCEEDED]
+            fence = sink.fences.get(run.id)
+            subject = f"{run.id} ({sink.name})"
+            if fence is None or fence.committed_at is None:
+                if won:
+                    found.append(
+                        Violation("sink_fence", subject, "SUCCEEDED but its fence is not committed")
+                    )
+                continue
+            holder = attempts.get(fence.attempt_id) if fence.attempt_id else None
+            if holder is None:
+                found.append(
+                    Violation(
+                        "sink_fence",
+                        subject,
+                        f"fence names attempt {fence.attempt_id}, which is not this run's",
+                    )
+                )
+                continue
+            if holder.lease_token != fence.token:
+                found.append(
+                    Violation(
+                        "sink_fence",
+                        subject,
+                        f"fence token {fence.token} is not attempt {holder.number}'s token "
+                        f"{holder.lease_token}",
+                    )
+                )
+            if not won:
+                continue
+            success = won[0]
+            if success.number < holder.number:
+                found.append(
+                    Violation(
+                        "sink_fence",
+                        subject,
+                        f"data committed by attempt {holder.number}, after attempt "
+                        f"{success.number} recorded SUCCEEDED",
+                    )
+                )
+            elif success.number > holder.number and success.reason != Reason.ALREADY_COMMITTED:
+                found.append(
+                    Violation(
+                        "sink_fence",
+                        subject,
+                        f"attempt {success.number} SUCCEEDED without ALREADY_COMMITTED but the "
+                        f"data is attempt {holder.number}'s",
+                    )
+                )
+    return found
+
+
+def check_sink_rows(state: State, sinks: list[SinkTable]) -> list[Violation]:
+    """Each committed run's rows are in its sink exactly once: every id 1..rows occurs as
+    many times as runs committed (append) or once (replace, upsert), and no other row."""
+    found = []
+    for sink in sinks:
+        if sink.error or sink.rows_per_run is None:
+            continue
+        committed = sink.committed_fences()
+        times = committed if sink.mode == "append" else min(committed, 1)
+        rows = sink.rows_per_run
+        expected = {times: rows} if times and rows else {}
+        ok = sink.multiplicity == expected and sink.total_rows == times * rows
+        if ok and expected:
+            ok = sink.id_range == (1, rows)
+        if not ok:
+            found.append(
+                Violation(
+                    "sink_rows",
+                    sink.name,
+                    f"{committed} committed run(s) of {rows} rows in {sink.mode} mode should "
+                    f"leave each id 1..{rows} {times} time(s) ({times * rows} rows); found "
+                    f"{sink.total_rows} rows, ids {sink.id_range}, multiplicities "
+                    f"{dict(sorted(sink.multiplicity.items()))}",
+                )
+            )
+    return found
+
+
+# --- schedules ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScheduleRow:
+    id: uuid.UUID
+    cron: str
+    timezone: str
+    enabled: bool
+    created_at: datetime
+    next_fire_at: datetime | None
+    skip_count: int
+    # scheduled_for -> how many runs were created for that slot.
+    fired: dict[datetime, int]
+
+
+def _schedule_table_exists() -> bool:
+    return "scheduling_schedule" in connection.introspection.table_names()
+
+
+def load_schedules(state: State) -> list[ScheduleRow]:
+    """The schedules in scope with the runs each slot created (all of them, not only the
+    runs in scope). Empty when the scheduling app is not installed."""
+    if not _schedule_table_exists():
+        return []
+    scope = state.scope
+    rows = _rows(
+        "SELECT s.id, s.cron, s.timezone, s.enabled, s.created_at, s.next_fire_at, s.skip_count"
+        "  FROM scheduling_schedule s"
+        " WHERE %(all)s OR s.id = ANY(%(ids)s::uuid[])",
+        {"all": scope.everything, "ids": list(scope.schedule_ids)},
+    )
+    fired: dict[uuid.UUID, dict[datetime, int]] = defaultdict(dict)
+    for schedule_id, slot, count in _rows(
+        "SELECT schedule_id, scheduled_for, count(*) FROM dispatch_run"
+        " WHERE schedule_id = ANY(%(ids)s::uuid[]) GROUP BY 1, 2",
+        {"ids": [r[0] for r in rows]},
+    ):
+        fired[schedule_id][slot] = count
+    return [
+        ScheduleRow(
+            id=r[0],
+            cron=r[1],
+            timezone=r[2],
+            enabled=r[3],
+            created_at=r[4],
+            next_fire_at=r[5],
+            skip_count=r[6],
+            fired=fired[r[0]],
+        )
+        for r in rows
+    ]
+
+
+def slots_between(schedule: ScheduleRow, start: datetime, end: datetime) -> list[datetime]:
+    """The schedule's slots s with start < s < end."""
+    from scheduling.cron import Slots
+
+    slots = Slots(schedule.cron, schedule.timezone)
+    out: list[datetime] = []
+    cursor = start
+    while len(out) < MAX_SLOTS:
+        cursor = slots.next_after(cursor)
+        if cursor >= end:
+            break
+        out.append(cursor)
+    return out
+
+
+def check_schedule_slots(state: State, schedules: list[ScheduleRow]) -> list[Violation]:
+    """Every slot fired at most once, only at a real slot of its cron, and every slot that
+    came due since the schedule was created (those before `next_fire_at`) fired exactly
+    once unless a recorded skip (disabled binding or job, overlap or misfire policy)
+    accounts for it."""
+    found = []
+    for s in schedules:
+        subject = f"schedule {s.id} ({s.cron} {s.timezone})"
+        for slot, count in s.fired.items():
+            if count > 1:
+                found.append(
+                    Violation(
+                        "schedule_slots", subject, f"slot {slot.isoformat()} fired {count} times"
+                    )
+                )
+        if s.next_fire_at is None:
+            continue
+        # Registration sets next_fire_at to the first slot after the schedule's creation;
+        # every slot before the current next_fire_at has been handled by a reconciler.
+        due = slots_between(s, s.created_at - timedelta(microseconds=1), s.next_fire_at)
+        due_set = set(due)
+        extra = sorted(slot for slot in s.fired if slot not in due_set and slot < s.next_fire_at)
+        for slot in extra:
+            found.append(
+                Violation(
+                    "schedule_slots", subject, f"a run for {slot.isoformat()}, not a due slot"
+                )
+            )
+        # Retention deletes old runs (never a schedule's latest): a slot that finished no
+        # later than the newest pruned run may have lost its run to it.
+        missing = [
+            slot
+            for slot in due
+            if slot not in s.fired and (state.pruned_through is None or slot > state.pruned_through)
+        ]
+        if len(missing) > s.skip_count:
+            found.append(
+                Violation(
+                    "schedule_slots",
+                    subject,
+                    f"{len(missing)} due slot(s) without a run but only {s.skip_count} recorded "
+                    f"skip(s); first missing {missing[0].isoformat()}",
+                )
+            )
+    return found
+
+
+# --- all together ---------------------------------------------------------------------------
+RUN_CHECKS: tuple[Callable[[State], list[Violation]], ...] = (
+    check_expected_runs_exist,
+    check_runs_terminal,
+    check_run_status_matches_latest_attempt,
+    check_one_success,
+    check_attempt_numbers,
+    check_retry_budget,
+    check_settled_reasons,
+    check_no_stale_finish,
+)
+
+
+def check_sink_values(state: State, sinks: list[SinkTable]) -> list[Violation]:
+    """Each committed run's rows arrived with every value as the source holds it: the
+    sink's rows (`row::text`) are the source's, as many times as runs committed (append)
+    or once (replace, upsert). Compares values, where `check_sink_rows` counts ids."""
+    found = []
+    for sink in sinks:
+        if sink.error or sink.source_values is None or sink.sink_values is None:
+            continue
+        committed = sink.committed_fences()
+        times = committed if sink.mode == "append" else min(committed, 1)
+        expected = Counter({text: n * times for text, n in sink.source_values.items() if times})
+        if sink.sink_values == expected:
+            continue
+        missing = expected - sink.sink_values
+        extra = sink.sink_values - expected
+        sample = next(iter(extra or missing))
+        found.append(
+            Violation(
+                "sink_values",
+                sink.name,
+                f"{committed} committed run(s) in {sink.mode} mode: {sum(missing.values())} "
+                f"source row version(s) missing, {sum(extra.values())} row(s) too many "
+                f"(e.g. {sample[:200]!r})",
+            )
+        )
+    return found
+
+
+def check_incremental(items: list[Any]) -> list[Violation]:
+    """Each incremental binding's cursor chain and rows (dispatch.verify.incremental):
+    append holds every row version a committed snapshot held exactly once and nothing
+    else; upsert equals the source at the committed cursor."""
+    found = []
+    for item in items:
+        if item.error:
+            found.append(Violation("incremental", item.subject, f"unreadable: {item.error}"))
+        found.extend(Violation("incremental", item.subject, f) for f in item.findings)
+    return found
+
+
+def notes_for(state: State, sinks: list[SinkTable]) -> list[str]:
+    """Facts worth reading that are not violations."""
+    notes = []
+    for sink in sinks:
+        if (
+            sink.rows_per_run is None
+            and sink.source_values is None
+            and not sink.error
+            and not sink.incremental
+        ):
+            notes.append(f"{sink.name}: rows not counted (the source is not a generate source)")
+        for run in state.runs.values():
+            fence = sink.fences.get(run.id)
+            if (
+                fence is not None
+                and fence.committed_at is not None
+                and run.status in (Status.FAILED, Status.CANCELLED)
+            ):
+                # Contract section 4/5: a worker killed between its sink commit and its
+                # settlement leaves committed data; recovery settles by policy (a cancel
+                # request, or no budget left). The data is there exactly once.
+                notes.append(
+                    f"run {run.id} is {run.status} but its data was committed to {sink.name}"
+                )
+    return notes
+
+
+def check(
+    scope: Scope = Scope(),  # noqa: B008 - frozen, immutable
+    *,
+    sinks: bool = True,
+    schedules: bool = True,
+    values: bool = False,
+    history: Mapping[str, str] | None = None,
+) -> Report:
+    """Run every check over the scope; the report lists violations and counts. With
+    `values`, sinks fed by a PostgreSQL table are compared with it value by value (the
+    source tables must not change meanwhile). `history` maps an incremental binding's
+    source table to the relation holding its every version (invariants_incremental)."""
+    from dispatch.verify import incremental as invariants_incremental
+
+    state = load(scope)
+    report = Report()
+    for check_fn in RUN_CHECKS:
+        report.violations.extend(check_fn(state))
+    sink_tables = load_sinks(state, values=values) if sinks else []
+    report.violations.extend(check_sink_fences(state, sink_tables))
+    report.violations.extend(check_sink_rows(state, sink_tables))
+    report.violations.extend(check_sink_values(state, sink_tables))
+    incremental = invariants_incremental.load(state, history) if sinks else []
+    report.violations.extend(check_incremental(incremental))
+    report.notes.extend(n for item in incremental for n in item.notes)
+    report.incremental = incremental
+    schedule_rows = load_schedules(state) if schedules else []
+    report.violations.extend(check_schedule_slots(state, schedule_rows))
+    report.notes.extend(notes_for(state, sink_tables))
+    report.counts.update(
+        runs=len(state.runs),
+        attempts=sum(len(a) for a in state.attempts.values()),
+        sink_tables=len(sink_tables),
+        incremental_bindings=len(incremental),
+        schedules=len(schedule_rows),
+        **Counter(r.status.lower() for r in state.runs.values()),
+    )
+    return report
+
+
+def parse_run_ids(lines: Iterable[str]) -> frozenset[uuid.UUID]:
+    """Run ids, one a line (blank lines and # comments ignored); ValueError names a bad one."""
+    ids = set()
+    for number, line in enumerate(lines, start=1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            ids.add(uuid.UUID(text))
+        except ValueError:
+            raise ValueError(f"line {number}: {text[:60]!r} is not a run id (a UUID)") from None
+    return frozenset(ids)

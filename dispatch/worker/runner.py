@@ -1,0 +1,482 @@
+"""Execute one claimed attempt: decrypt its snapshot, move the data, record the outcome.
+
+Runs outside any dispatch transaction. The only writes it makes to the dispatch tables
+are the guarded settlement at the end (and the fence check a sink may ask for); a
+settlement that matches no row means the attempt was lost and nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import psycopg
+from django.db import Error as DjangoDBError
+from django.db import connection
+
+from dispatch import deadline, services
+from dispatch.connectors import incremental, registry
+from dispatch.connectors.base import (
+    ConnectorError,
+    FenceRejected,
+    LeaseLost,
+    Stopped,
+    copy_format,
+)
+from dispatch.security import crypto
+from dispatch.states import Reason, Status
+from dispatch.worker import claims
+from dispatch.worker.claims import ClaimedAttempt
+
+log = logging.getLogger("dispatch.runner")
+
+MAX_ERROR_CHARS = 4000
+
+
+class StopCause(enum.Enum):
+    CANCEL = "cancel"  # the run has a cancel request
+    LEASE_LOST = "lease_lost"  # a heartbeat found the attempt no longer ours
+    RELEASED = "released"  # the worker is draining and released the attempt
+    TIMEOUT = "timeout"  # the job's timeout_seconds elapsed
+
+
+class ExecutionControl:
+    """Shared between an execution thread, the heartbeat thread and the coordinator."""
+
+    def __init__(self, claimed: ClaimedAttempt) -> None:
+        self.claimed = claimed
+        self.started = time.monotonic()
+        self.last_heartbeat_ok = self.started
+        self.lease_seconds = claimed.lease_seconds
+        self.deadline = self.started + claimed.timeout_seconds if claimed.timeout_seconds else None
+        self.rows_read = 0
+        self.rows_written = 0
+        self.cause: StopCause | None = None
+        self._event = threading.Event()
+        # Called (from whichever thread stops the execution) to interrupt what the
+        # execution thread is blocked in: a connector's running statement or COPY.
+        self._interrupts: dict[int, Callable[[], None]] = {}
+        self._interrupts_lock = threading.Lock()
+        self._next_interrupt = 0
+        self._interrupting = False
+
+    def stop(self, cause: StopCause) -> None:
+        first = not self._event.is_set()
+        if self.cause is None:
+            self.cause = cause
+        self._event.set()
+        if first:
+            self.interrupt()
+
+    def on_stop(self, interrupt: Callable[[], None]) -> Callable[[], None]:
+        """Register `interrupt` to be called when the execution is told to stop (at once
+        if it already was); returns the function that unregisters it."""
+        with self._interrupts_lock:
+            key = self._next_interrupt
+            self._next_interrupt += 1
+            self._interrupts[key] = interrupt
+        if self._event.is_set():
+            threading.Thread(
+                target=self._call, args=(interrupt,), name="dispatch-interrupt", daemon=True
+            ).start()
+
+        def unregister() -> None:
+            with self._interrupts_lock:
+                self._interrupts.pop(key, None)
+
+        return unregister
+
+    def interrupt(self) -> None:
+        """Call every registered interrupt, on a thread of its own: a cancel request to
+        an unreachable server may take seconds, and the caller (the heartbeat thread, the
+        main loop at shutdown) must not wait for it. The coordinator repeats this while a
+        stopped execution is still running (a statement started just after one interrupt
+        is interrupted by the next); a repeat while one is in flight is skipped."""
+        with self._interrupts_lock:
+            if self._interrupting:
+                return
+            interrupts = list(self._interrupts.values())
+            if not interrupts:
+                return
+            self._interrupting = True
+
+        def run() -> None:
+            try:
+                for interrupt in interrupts:
+                    self._call(interrupt)
+            finally:
+                with self._interrupts_lock:
+                    self._interrupting = False
+
+        threading.Thread(target=run, name="dispatch-interrupt", daemon=True).start()
+
+    @staticmethod
+    def _call(interrupt: Callable[[], None]) -> None:
+        try:
+            interrupt()
+        except Exception as exc:  # noqa: BLE001 - an interrupt is best effort
+            log.warning("interrupting the running statement failed error=%s", type(exc).__name__)
+
+    def next_deadline(self) -> float | None:
+        """The monotonic time this execution times out, unless it is already stopping."""
+        return None if self._event.is_set() else self.deadline
+
+    def should_stop(self) -> bool:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.stop(StopCause.TIMEOUT)
+        return self._event.is_set()
+
+    def heartbeat_ok(self, lease_seconds: int, sent_at: float) -> None:
+        """A heartbeat sent at `sent_at` (monotonic) extended the lease: the database
+        extended it no earlier than that, so the lease is counted from the sending."""
+        self.last_heartbeat_ok = max(self.last_heartbeat_ok, sent_at)
+        self.lease_seconds = lease_seconds
+
+    def lease_may_be_ours(self, after: float = 0.0) -> bool:
+        """By our own clock, could the lease still be valid `after` seconds from now?"""
+        return time.monotonic() + after < self.last_heartbeat_ok + self.lease_seconds
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to `seconds`; True if told to stop meanwhile."""
+        limit = seconds
+        if self.deadline is not None:
+            limit = min(limit, max(0.0, self.deadline - time.monotonic()))
+        self._event.wait(limit)
+        return self.should_stop()
+
+
+class AttemptFence:
+    """The attempt's identity and token, for sinks that fence (contract section 4)."""
+
+    def __init__(self, control: ExecutionControl) -> None:
+        c = control.claimed
+        self.run_id = c.run_id
+        self.binding_id = c.binding_id
+        self.attempt_id = c.attempt_id
+        self.token = c.lease_token
+        self._control = control
+
+    def check(self) -> None:
+        """Raise LeaseLost unless the attempt is still RUNNING with our token, and our
+        last successful heartbeat (by this worker's monotonic clock) is within the lease."""
+        if not self._control.lease_may_be_ours():
+            raise LeaseLost("no successful heartbeat within the lease")
+        # The caller holds the sink's fence row (and the sink's locks) while it asks: the
+        # question is bounded like every coordination call (dispatch.deadline), and an
+        # answer that does not come is a lease that cannot be confirmed, so no commit.
+        try:
+            with deadline.bounded("fence_check"), connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT 1 FROM dispatch_attempt"
+                    " WHERE id = %s AND lease_token = %s AND status = 'RUNNING'",
+                    [self.attempt_id, self.token],
+                )
+                found = cursor.fetchone() is not None
+        except DjangoDBError as exc:
+            with contextlib.suppress(Exception):
+                connection.close()
+            raise LeaseLost(f"the lease could not be confirmed: {exc}") from None
+        if not found:
+            raise LeaseLost("the attempt is no longer this worker's")
+
+
+class Context:
+    """The `TransferContext` handed to connectors."""
+
+    def __init__(self, control: ExecutionControl) -> None:
+        self.control = control
+        self.fence = AttemptFence(control)
+
+    def progress(self, *, rows_read: int = 0, rows_written: int = 0) -> None:
+        self.control.rows_read += rows_read
+        self.control.rows_written += rows_written
+        if self.control.should_stop():
+            raise Stopped(self.control.cause.value if self.control.cause else "stop")
+
+    def should_stop(self) -> bool:
+        return self.control.should_stop()
+
+    def on_stop(self, interrupt: Callable[[], None]) -> Callable[[], None]:
+        return self.control.on_stop(interrupt)
+
+    def wait(self, seconds: float) -> None:
+        if self.control.wait(seconds):
+            raise Stopped(self.control.cause.value if self.control.cause else "stop")
+
+
+_URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]*@")
+_KEY_VALUE_SECRET = re.compile(
+    r"(?i)\b(password|passwd|pwd|secret|token)\s*[=:]\s*('[^']*'|\"[^\"]*\"|\S+)"
+)
+
+
+def sanitize(text: str, secrets: list[str]) -> str:
+    """Strip secret values, URL credentials and password=... pairs from an error text."""
+    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        text = text.replace(secret, "********")
+    text = _URL_CREDENTIALS.sub(r"\1********@", text)
+    text = _KEY_VALUE_SECRET.sub(r"\1=********", text)
+    return text[:MAX_ERROR_CHARS]
+
+
+def _secret_values(connector: Any, config: dict[str, Any]) -> list[str]:
+    return [str(config[k]) for k in connector.secret_fields() if config.get(k)]
+
+
+# Settled for good: no successor attempt is due at once, so a settlement that also
+# claimed (and found nothing) leaves nothing for a refill to find.
+FINAL_STATUSES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+
+
+class Refill(Protocol):
+    """How a runner claims the next attempt for its slot in its settlement's transaction
+    (dispatch.worker.coordinator supplies it)."""
+
+    worker_id: str
+
+    def limit(self) -> int:
+        """How many attempts to claim (0: none, e.g. the worker is stopping)."""
+
+    def adopt(self, claimed: list[ClaimedAttempt]) -> None:
+        """Start executing what the settlement claimed."""
+
+
+class Runner:
+    """Runs one attempt to its outcome. `on_fenced` counts stale commits a sink refused."""
+
+    def __init__(
+        self,
+        claimed: ClaimedAttempt,
+        control: ExecutionControl,
+        on_event: Callable[[str], None] = lambda name: None,
+        refill: Refill | None = None,
+    ) -> None:
+        self.claimed = claimed
+        self.control = control
+        self.on_event = on_event
+        self.refill = refill
+        # Whether the settlement also claimed this slot's next attempt (or found none).
+        self.refilled = False
+        self.secrets: list[str] = []
+        self.cursor: incremental.Prepared | None = None
+
+    def _log(self, message: str, *args: Any, level: int = logging.INFO) -> None:
+        c = self.claimed
+        log.log(
+            level, message + " run=%s attempt=%s token=%s", *args, c.run_id, c.number, c.lease_token
+        )
+
+    def settle(
+        self, outcome: str, reason: str | None = None, error: str | None = None
+    ) -> str | None:
+        clean_error = sanitize(error, self.secrets) if error else None
+        # The settlement is guarded by status + token, so repeating it after a lost
+        # connection is safe: if the first one committed, the repeat matches no row. Keep
+        # trying while the lease may still be ours (the execution stays registered, so the
+        # heartbeat keeps extending it); after that, recovery settles the attempt.
+        delay = 0.5
+        retrying = False
+        while True:
+            try:
+                # A retry settles only: if the first try committed a claim along with the
+                # settlement before its answer was lost, claiming again would strand it.
+                limit = self.refill.limit() if self.refill is not None and not retrying else 0
+                if limit > 0 and self.refill is not None:
+                    status, more = claims.settle_and_claim(
+                        self.claimed.attempt_id,
+                        self.claimed.lease_token,
+                        outcome,
+                        worker_id=self.refill.worker_id,
+                        limit=limit,
+                        reason=reason,
+                        error=clean_error,
+                        rows_read=self.control.rows_read,
+                        rows_written=self.control.rows_written,
+                    )
+                    self.refilled = status in FINAL_STATUSES
+                    if self.refilled or more:
+                        self.refill.adopt(more)
+                else:
+                    status = claims.settle(
+                        self.claimed.attempt_id,
+                        self.claimed.lease_token,
+                        outcome,
+                        reason=reason,
+                        error=clean_error,
+                        rows_read=self.control.rows_read,
+                        rows_written=self.control.rows_written,
+                    )
+                break
+            except (DjangoDBError, psycopg.Error) as exc:
+                retrying = True
+                if not self.control.lease_may_be_ours(after=delay):
+                    raise
+                self._log(
+                    "outcome not recorded yet, retrying in %.1fs error=%s",
+                    delay,
+                    " ".join(str(exc).split())[:200],
+                    level=logging.WARNING,
+                )
+                with contextlib.suppress(Exception):
+                    connection.close()
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        if status is None:
+            self.on_event("lease_lost")
+            self._log(
+                "attempt lost before its outcome was recorded outcome=%s",
+                outcome,
+                level=logging.WARNING,
+            )
+        else:
+            self.on_event(f"settled_{status.lower()}")
+            self._log("attempt settled status=%s reason=%s", status, reason)
+            if status == Status.RETRY_SCHEDULED:
+                # A successor waits for its backoff: wake the fleet, so that whichever
+                # worker ranks first learns its due time (a directed claim that finds it
+                # not yet due sets that worker's timer), not only this busy one.
+                services.notify(self.claimed.run_id)
+        return status
+
+    def execute(self) -> str | None:
+        c = self.claimed
+        try:
+            source_config = crypto.decrypt_config(
+                c.source_snapshot, expected_id=c.source_id, expected_version=c.source_version
+            )
+            sink_config = crypto.decrypt_config(
+                c.sink_snapshot, expected_id=c.sink_id, expected_version=c.sink_version
+            )
+        except crypto.KeyUnavailable:
+            # This worker's keys are wrong: the run is not at fault. Hand the attempt back
+            # (a release consumes no retry budget) and tell the coordinator to stop.
+            self.on_event("keys_unusable")
+            self._log(
+                "no configured key opens the snapshot; releasing the attempt and stopping "
+                "(check DISPATCH_ENCRYPTION_KEYS)",
+                level=logging.ERROR,
+            )
+            return self.settle(
+                "RELEASE",
+                Reason.SHUTDOWN_RELEASED,
+                "released: the worker's keys (DISPATCH_ENCRYPTION_KEYS) open no snapshot",
+            )
+        except crypto.SnapshotUnreadable as exc:
+            return self.settle(
+                "PERMANENT", Reason.SNAPSHOT_UNREADABLE, f"snapshot unreadable: {exc}"
+            )
+        try:
+            source = registry.get(c.source_kind)
+            sink = registry.get(c.sink_kind)
+        except registry.UnknownKind as exc:
+            return self.settle("PERMANENT", Reason.PERMANENT_ERROR, str(exc))
+        self.secrets = _secret_values(source, source_config) + _secret_values(sink, sink_config)
+        ctx = Context(self.control)
+        try:
+            # The writer is opened with the reader's columns (a sink may create its table).
+            with (
+                source.open_reader(source_config, c.source_spec, ctx) as reader,  # type: ignore[arg-type]
+                sink.open_writer(sink_config, c.sink_spec, ctx, reader.columns) as writer,  # type: ignore[arg-type]
+            ):
+                self.cursor = incremental.prepare(reader, writer)
+                if self.cursor is not None:
+                    self._record_cursor(self.cursor)
+                self._transfer(ctx, reader, writer)
+                # A run whose data is already committed succeeds whatever else is asked;
+                # otherwise a stop requested meanwhile wins over committing now.
+                if not getattr(writer, "already_committed", False) and self.control.should_stop():
+                    raise Stopped("stop before commit")
+                result = writer.commit()
+        except FenceRejected as exc:
+            self.on_event("fenced_commits")
+            self._log("stale commit refused by the sink fence: %s", exc, level=logging.WARNING)
+            return None
+        except (Stopped, LeaseLost) as exc:
+            return self._stopped(exc)
+        except ConnectorError as exc:
+            if self.control.cause is not None:
+                return self._stopped(exc)
+            outcome, reason = (
+                ("PERMANENT", Reason.PERMANENT_ERROR) if exc.permanent else ("ERROR", Reason.ERROR)
+            )
+            return self.settle(outcome, reason, str(exc))
+        except Exception as exc:  # noqa: BLE001 - any failure of a connector is the attempt's
+            if self.control.cause is not None:
+                return self._stopped(exc)
+            self._log("attempt error %s", type(exc).__name__, level=logging.WARNING)
+            return self.settle("ERROR", Reason.ERROR, f"{type(exc).__name__}: {exc}")
+        self.control.rows_written = max(self.control.rows_written, result.rows_written)
+        committed = getattr(writer, "cursor_committed", None)
+        if committed is not None:
+            self._copy_cursor(committed)
+        return self.settle(
+            "SUCCEEDED", Reason.ALREADY_COMMITTED if result.already_committed else None
+        )
+
+    def _record_cursor(self, prepared: incremental.Prepared) -> None:
+        """The attempt's cursors on its row, and the sink's committed cursor as this
+        attempt found it into the console's copy. Neither decides anything (the sink's
+        own row does), so a failure here is logged and the transfer goes on."""
+        c = self.claimed
+        end = prepared.bounds.cursor if prepared.bounds is not None else prepared.start
+        try:
+            claims.record_cursor(c.attempt_id, c.lease_token, prepared.start, end)
+            if prepared.committed.version > 0:
+                self._copy_cursor(prepared.committed)
+        except (DjangoDBError, psycopg.Error) as exc:
+            self._log("cursor not recorded: %s", type(exc).__name__, level=logging.WARNING)
+
+    def _copy_cursor(self, committed: incremental.CommittedCursor) -> None:
+        try:
+            claims.record_cursor_copy(
+                self.claimed.binding_id,
+                committed,
+                changed_by=f"run {committed.run_id}" if committed.run_id else "",
+            )
+        except (DjangoDBError, psycopg.Error) as exc:
+            self._log("cursor copy not recorded: %s", type(exc).__name__, level=logging.WARNING)
+
+    @staticmethod
+    def _transfer(ctx: Context, reader: Any, writer: Any) -> None:
+        """Move every row: raw COPY blocks when both sides speak PostgreSQL COPY, else
+        decoded batches. Progress (and so the stop check) follows each block or batch."""
+        if getattr(writer, "already_committed", False):
+            return  # the run's data is already in the sink: nothing to read
+        fmt = copy_format(reader, writer)
+        if fmt is not None:
+            options = getattr(writer, "copy_options", None)
+            chunks = (
+                reader.copy_chunks(fmt) if options is None else reader.copy_chunks(fmt, options)
+            )
+            for data, rows in chunks:
+                ctx.progress(rows_read=rows)
+                ctx.progress(rows_written=writer.write_copy(data, rows))
+            return
+        for batch in reader.batches():
+            ctx.progress(rows_read=len(batch))
+            ctx.progress(rows_written=writer.write(batch))
+
+    def _stopped(self, exc: BaseException) -> str | None:
+        cause = self.control.cause
+        if cause is StopCause.CANCEL:
+            return self.settle("CANCELLED", Reason.CANCELLED_BY_OPERATOR)
+        if cause is StopCause.TIMEOUT:
+            return self.settle(
+                "ERROR", Reason.TIMEOUT, f"timed out after {self.claimed.timeout_seconds}s"
+            )
+        # LEASE_LOST or RELEASED (or a sink that found the lease lost): the attempt is no
+        # longer ours; record nothing.
+        self.on_event("lease_lost" if cause is not StopCause.RELEASED else "released_stopped")
+        self._log(
+            "attempt stopped without recording cause=%s detail=%s",
+            cause.value if cause else "lease_lost",
+            exc,
+            level=logging.WARNING,
+        )
+        return None

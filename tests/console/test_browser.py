@@ -1,0 +1,190 @@
+"""The console in a real Chromium: log in, add a datasource (secret masked), trigger a
+binding and watch its run succeed with a worker subprocess, cancel a running run.
+
+Runs whenever a Chromium is installed (/usr/bin/chromium, or `chromium` on PATH); skipped
+with a loud reason otherwise, and failed when the CI variable is set (CI must run it).
+Regenerates the screenshots under docs/screenshots/.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+
+from dispatch import services
+from dispatch.models import Attempt, Datasource, Job, JobBinding, Run
+from dispatch.states import Reason, Status
+from dispatch.worker import claims
+from tests.conftest import ROOT, Processes, wait_until
+from tests.console.test_admin import PASSWORD, vault_kind  # noqa: F401 - fixture
+from tests.support.factories import DatasourceFactory, SinkFactory
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.browser, pytest.mark.slow]
+
+SCREENSHOTS = ROOT / "docs" / "screenshots"
+LAUNCH_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
+
+
+def find_chromium() -> str | None:
+    if Path("/usr/bin/chromium").exists():
+        return "/usr/bin/chromium"
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def browser(django_db_setup: Any) -> Iterator[Any]:
+    executable = find_chromium()
+    if executable is None:
+        message = (
+            "NO CHROMIUM FOUND: the browser tests of the admin console did not run "
+            "(install it with `apt-get install -y chromium`)"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(message + "; CI must run them")
+        pytest.skip(message)
+    sync_api = pytest.importorskip("playwright.sync_api")
+    # Playwright's sync API keeps an event loop in this thread; the tests' own ORM calls
+    # are still synchronous, one at a time, so Django's guard against async use is lifted
+    # while the browser is open (and only then).
+    previous = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        with sync_api.sync_playwright() as pw:
+            chromium = pw.chromium.launch(executable_path=executable, args=LAUNCH_ARGS)
+            try:
+                yield chromium
+            finally:
+                chromium.close()
+    finally:
+        if previous is None:
+            os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+        else:
+            os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = previous
+
+
+@pytest.fixture
+def page(browser: Any, live_server: Any) -> Iterator[Any]:
+    User.objects.create_superuser("admin", "admin@example.com", "console-pw")
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(15_000)
+    p = context.new_page()
+    p.goto(f"{live_server.url}/admin/login/")
+    p.fill("#id_username", "admin")
+    p.fill("#id_password", "console-pw")
+    p.click("input[type=submit]")
+    p.wait_for_selector("#site-name")
+    p.base = live_server.url  # type: ignore[attr-defined]
+    try:
+        yield p
+    finally:
+        context.close()
+
+
+def binding(name: str, source_spec: dict[str, Any], lease: int = 30) -> JobBinding:
+    job = Job.objects.create(
+        name=f"{name}-job",
+        source_spec=source_spec,
+        sink_spec={},
+        lease_seconds=lease,
+        backoff_seconds=0,
+        backoff_max_seconds=0,
+    )
+    return JobBinding.objects.create(
+        name=name, job=job, source=DatasourceFactory(), sink=SinkFactory()
+    )
+
+
+def run_state(page: Any) -> str:
+    return str(page.get_attribute("#dsp-run-state", "data-status"))
+
+
+def test_browser__login_and_add_a_datasource_with_the_secret_masked(page: Any) -> None:
+    page.goto(f"{page.base}/admin/dispatch/datasource/add/")
+    page.fill("#id_name", "warehouse")
+    # Choosing a kind reloads the form with that kind's settings (the name is kept).
+    page.select_option("#id_kind", "vaulttest")
+    page.wait_for_selector("input[name=config__host]")
+    assert page.input_value("#id_name") == "warehouse"
+    page.fill("input[name=config__host]", "db.internal")
+    page.fill("input[name=config__port]", "5432")
+    page.fill("input[name=config__password]", PASSWORD)
+    assert page.get_attribute("input[name=config__password]", "type") == "password"
+    page.click("input[name=_continue]")
+    page.wait_for_selector(".messagelist .success")
+    ds = Datasource.objects.get(name="warehouse")
+    assert ds.config["password"] == PASSWORD
+    assert page.input_value("input[name=config__password]") == ""
+    assert PASSWORD not in page.content()
+    assert "********" in page.inner_text(".field-stored_settings")
+
+
+def test_browser__trigger_and_watch_the_run_succeed(page: Any, processes: Processes) -> None:
+    b = binding("orders-to-archive", {"rows": 3000, "batch": 100, "delay_ms": 40, "seed": 7})
+    # Some history for the overview, through the real path: a run whose attempt failed.
+    failed = services.trigger(b)
+    [claimed] = claims.claim("browser-history", run_id=failed.id, limit=1, generic=False)
+    claims.settle(
+        claimed.attempt_id,
+        claimed.lease_token,
+        "PERMANENT",
+        reason=Reason.PERMANENT_ERROR,
+        error="sink table orders_archive is missing",
+    )
+    processes.worker("--concurrency", "2", "--worker-id", "browser-worker-1")
+    page.goto(f"{page.base}/admin/dispatch/jobbinding/{b.pk}/change/")
+    page.click("button:has-text('Trigger now')")
+    page.wait_for_selector("#dsp-run-state")
+    assert "Trigger now: 1 binding triggered" in page.inner_text(".messagelist")
+    run = Run.objects.get(binding=b, status__in=[Status.PENDING, Status.RUNNING, Status.SUCCEEDED])
+    assert page.url.endswith(f"/admin/dispatch/run/{run.pk}/change/")
+    # The page refreshes itself while the run is live: no reload from the test.
+    page.wait_for_selector('#dsp-run-state[data-status="SUCCEEDED"]', timeout=60_000)
+    assert page.get_attribute("#attempt-1", "data-status") == "SUCCEEDED"
+    assert "3,000 / 3,000" in page.inner_text("#attempt-1")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "run-detail.png"), full_page=True)
+    page.goto(f"{page.base}/admin/dispatch/run/overview/")
+    page.wait_for_selector("#overview-chart svg rect")
+    assert "browser-worker-1" in page.inner_text("#overview-workers")
+    page.screenshot(path=str(SCREENSHOTS / "overview.png"), full_page=True)
+    # Dark mode and a narrow screen: the same page, still readable.
+    page.emulate_media(color_scheme="dark")
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.reload()
+    page.wait_for_selector("#overview-chart svg")
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 400, f"the overview overflows a narrow screen ({width}px)"
+    page.screenshot(path=str(SCREENSHOTS / "overview-narrow-dark.png"), full_page=True)
+
+
+def test_browser__cancel_a_running_run(page: Any, processes: Processes) -> None:
+    b = binding("slow-export", {"rows": 200_000, "batch": 100, "delay_ms": 50}, lease=3)
+    run = services.trigger(b)
+    processes.worker("--concurrency", "1")
+    wait_until(
+        lambda: Attempt.objects.filter(run=run, status=Status.RUNNING).exists(),
+        message="the worker to claim the run",
+    )
+    page.goto(f"{page.base}/admin/dispatch/run/{run.pk}/change/")
+    assert run_state(page) == "RUNNING"
+    page.click("button:has-text('Cancel')")
+    assert "are you sure" in page.inner_text("#content")
+    page.click("input[type=submit][value='Yes, cancel']")
+    page.wait_for_selector("#dsp-run-state")
+    assert "cancel requested" in page.inner_text(".messagelist")
+    page.wait_for_selector('#dsp-run-state[data-status="CANCELLED"]', timeout=30_000)
+    run.refresh_from_db()
+    assert run.status == Status.CANCELLED
+    assert Attempt.objects.get(run=run).reason == "CANCELLED_BY_OPERATOR"
