@@ -34,12 +34,12 @@ from enum import StrEnum
 from typing import Any
 
 import psycopg
-from django.db import Error as DjangoDBError
 from django.db import connection, transaction
 from psycopg import sql
 
 from dispatch import services
 from dispatch import sqlfiles as dispatch_sqlfiles
+from dispatch.db import DB_ERRORS, one_line
 from dispatch.models import JobBinding, Run
 from dispatch.states import Trigger
 from dispatch.worker import listen as dispatch_listen
@@ -48,7 +48,6 @@ from scheduling.models import MisfirePolicy, OverlapPolicy, SkipReason
 
 log = logging.getLogger("scheduling.reconciler")
 
-DB_ERRORS: tuple[type[BaseException], ...] = (DjangoDBError, psycopg.Error)
 # The loop's shortest sleep when a schedule is still due after a pass (another reconciler
 # holds it, or it failed): no busy loop.
 MIN_SLEEP_SECONDS = 0.2
@@ -389,7 +388,7 @@ class ScheduleReconciler:
                         "reconciler=%s error=%s",
                         backoff,
                         self.name,
-                        _one_line(exc),
+                        one_line(exc),
                     )
                     sleep = backoff
                     backoff = min(backoff * 2, RECONNECT_MAX_SECONDS)
@@ -438,7 +437,7 @@ class _Listener:
         log.warning(
             "schedule LISTEN connection unavailable, retrying in %.1fs error=%s",
             self.backoff,
-            _one_line(exc),
+            one_line(exc),
         )
         self.backoff = min(self.backoff * 2, RECONNECT_MAX_SECONDS)
 
@@ -522,7 +521,7 @@ def register_at_startup() -> threading.Thread:
             )
         except Exception as exc:  # noqa: BLE001 - never stop the site
             log.warning(
-                "schedules not registered at start (the reconciler will) error=%s", _one_line(exc)
+                "schedules not registered at start (the reconciler will) error=%s", one_line(exc)
             )
         finally:
             _reset_connection()
@@ -535,7 +534,3 @@ def register_at_startup() -> threading.Thread:
 def _reset_connection() -> None:
     with contextlib.suppress(*DB_ERRORS):
         connection.close()
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300] or type(exc).__name__

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from django.contrib import messages
 from django.contrib.admin import helpers
-from django.db import connection
 from django.db.models import Count, Min, Model, Q
 from django.db.models.functions import TruncHour
 from django.http import HttpRequest, HttpResponse
@@ -28,6 +27,7 @@ from django.utils.safestring import SafeString
 
 from dispatch import conf, services
 from dispatch.console.paging import COUNT_CAP, capped_counts
+from dispatch.db import db_now
 from dispatch.models import Attempt, JobBinding, Run, Worker
 from dispatch.services import ActionRefused
 from dispatch.states import (
@@ -331,15 +331,6 @@ def confirmation_page(
 FAILURE_WINDOW = timedelta(hours=24)
 
 
-def _db_now() -> datetime:
-    with connection.cursor() as cursor:
-        # The database's clock (contract section 4): ages on this page are never computed
-        # from the web server's clock.
-        cursor.execute("SELECT now()")
-        (now,) = cursor.fetchone()
-    return now  # type: ignore[no-any-return]
-
-
 def worker_dead_after(held_leases: Sequence[int]) -> float:
     """Seconds of heartbeat silence after which a not-stopped worker is flagged dead:
     three leases of the shortest lease it holds, or three idle heartbeat periods."""
@@ -350,7 +341,7 @@ def worker_dead_after(held_leases: Sequence[int]) -> float:
 
 def overview_context(now: datetime | None = None) -> dict[str, Any]:
     """Everything the overview shows, in a fixed number of queries."""
-    now = now or _db_now()
+    now = now or db_now()
     since = now - FAILURE_WINDOW
     # One capped count per status through the (status, created_at) index: at a million
     # finished runs, "more than 10,000" instead of a scan of the table.

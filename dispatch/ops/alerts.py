@@ -45,6 +45,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from dispatch import conf
+from dispatch.db import db_now
 from dispatch.models.ops import Alert, AlertKind, AlertStatus, BindingHealth, HealthState
 from dispatch.ops import binding_metrics
 from dispatch.ops.retention import begin_pass
@@ -256,7 +257,7 @@ def _thresholds(binding: Any, health: BindingHealth, report: ScanReport) -> None
     """Warn, then disable, by failure count or by time since the streak began."""
     if health.state == HealthState.AUTO_DISABLED or not health.consecutive_failures:
         return
-    now = _db_now()
+    now = db_now()
     days = (now - health.failing_since).total_seconds() / 86400 if health.failing_since else 0
     n = health.consecutive_failures
     disable_n, disable_days = conf.auto_disable_failures(), conf.auto_disable_days()
@@ -308,12 +309,6 @@ def _scan_failing(report: ScanReport) -> None:
             _thresholds(binding, health, report)
             health.updated_at = Now()
             health.save()
-
-
-def _db_now() -> datetime:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT now()")
-        return cursor.fetchone()[0]  # type: ignore[index]
 
 
 # --- the outbox ----------------------------------------------------------------------------

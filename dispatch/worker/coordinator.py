@@ -37,12 +37,12 @@ from types import FrameType
 from typing import Any
 
 import psycopg
-from django.db import Error as DjangoDBError
 from django.db import ProgrammingError as DjangoProgrammingError
 from django.db import connection
 from psycopg import sql
 
 from dispatch import conf, deadline, services
+from dispatch.db import DB_ERRORS, one_line
 from dispatch.ops import binding_metrics, metrics
 from dispatch.sqlfiles import query
 from dispatch.states import Reason, Status
@@ -52,7 +52,6 @@ from dispatch.worker.runner import ExecutionControl, Runner, StopCause
 
 log = logging.getLogger("dispatch.worker")
 
-DB_ERRORS: tuple[type[BaseException], ...] = (DjangoDBError, psycopg.Error)
 # Notifications: the worker ranked second for a run looks again this long after the
 # notification, in case the first-ranked one could not take it (busy, stopping, gone).
 HANDOFF_SECONDS = 1.0
@@ -309,7 +308,7 @@ class WorkerDispatchCoordinator:
                 log.error(
                     "the database is not migrated (run `manage.py migrate`) worker=%s error=%s",
                     self.worker_id,
-                    _one_line(exc),
+                    one_line(exc),
                 )
                 raise SystemExit(
                     "dispatch.E013: the database is not migrated; run `manage.py migrate`."
@@ -320,7 +319,7 @@ class WorkerDispatchCoordinator:
                     "database unavailable, retrying in %.1fs worker=%s error=%s",
                     delay,
                     self.worker_id,
-                    _one_line(exc),
+                    one_line(exc),
                 )
                 if self._sleep_or_stop(delay):
                     raise SystemExit(0) from None
@@ -373,7 +372,7 @@ class WorkerDispatchCoordinator:
                 )
         except DB_ERRORS as exc:
             log.warning(
-                "could not mark worker stopped worker=%s error=%s", self.worker_id, _one_line(exc)
+                "could not mark worker stopped worker=%s error=%s", self.worker_id, one_line(exc)
             )
         for _ in range(self.concurrency):
             self._queue.put(None)
@@ -408,7 +407,7 @@ class WorkerDispatchCoordinator:
                 "database error, retrying in %.1fs worker=%s error=%s",
                 self._db_backoff,
                 self.worker_id,
-                _one_line(exc),
+                one_line(exc),
             )
             self._db_backoff_until = time.monotonic() + self._db_backoff
             self._db_backoff = min(self._db_backoff * 2, RECONNECT_MAX_SECONDS)
@@ -657,7 +656,7 @@ class WorkerDispatchCoordinator:
                     "expiry error=%s",
                     c.run_id,
                     c.number,
-                    _one_line(exc),
+                    one_line(exc),
                 )
                 continue
             if status is not None:
@@ -792,7 +791,7 @@ class WorkerDispatchCoordinator:
             "worker=%s error=%s",
             self._listen_backoff,
             self.worker_id,
-            _one_line(exc),
+            one_line(exc),
         )
         self._listen_backoff = min(self._listen_backoff * 2, RECONNECT_MAX_SECONDS)
         self._count("listen_reconnects")
@@ -881,7 +880,7 @@ class WorkerDispatchCoordinator:
                         "outcome not recorded run=%s attempt=%s error=%s",
                         execution.claimed.run_id,
                         execution.claimed.number,
-                        _one_line(exc),
+                        one_line(exc),
                     )
             except BaseException:  # noqa: BLE001 - an executor thread must never die
                 log.exception("executor crashed run=%s", execution.claimed.run_id)
@@ -1063,12 +1062,8 @@ class WorkerDispatchCoordinator:
                 self.heartbeat_once()
             except DB_ERRORS as exc:
                 self._reset_connection()
-                log.error("heartbeat failed worker=%s error=%s", self.worker_id, _one_line(exc))
+                log.error("heartbeat failed worker=%s error=%s", self.worker_id, one_line(exc))
                 self._stop_threads.wait(0.5)
             except Exception:  # noqa: BLE001 - the heartbeat thread must never die
                 log.exception("heartbeat crashed worker=%s", self.worker_id)
                 self._stop_threads.wait(0.5)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300] or type(exc).__name__

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import psycopg
 from django.db import Error as DjangoDBError
 from django.db import connection
 
@@ -29,6 +28,7 @@ from dispatch.connectors.base import (
     Stopped,
     copy_format,
 )
+from dispatch.db import DB_ERRORS
 from dispatch.security import crypto
 from dispatch.states import Reason, Status
 from dispatch.worker import claims
@@ -313,7 +313,7 @@ class Runner:
                         rows_written=self.control.rows_written,
                     )
                 break
-            except (DjangoDBError, psycopg.Error) as exc:
+            except DB_ERRORS as exc:
                 retrying = True
                 if not self.control.lease_may_be_ours(after=delay):
                     raise
@@ -429,7 +429,7 @@ class Runner:
             claims.record_cursor(c.attempt_id, c.lease_token, prepared.start, end)
             if prepared.committed.version > 0:
                 self._copy_cursor(prepared.committed)
-        except (DjangoDBError, psycopg.Error) as exc:
+        except DB_ERRORS as exc:
             self._log("cursor not recorded: %s", type(exc).__name__, level=logging.WARNING)
 
     def _copy_cursor(self, committed: incremental.CommittedCursor) -> None:
@@ -439,7 +439,7 @@ class Runner:
                 committed,
                 changed_by=f"run {committed.run_id}" if committed.run_id else "",
             )
-        except (DjangoDBError, psycopg.Error) as exc:
+        except DB_ERRORS as exc:
             self._log("cursor copy not recorded: %s", type(exc).__name__, level=logging.WARNING)
 
     @staticmethod
