@@ -1,0 +1,73 @@
+"""The console's side of the query permission (`dispatch.security.sqlperm`): admin forms
+that say a source query needs it, and guards that refuse the save with 403 on any other
+path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest
+
+from dispatch.models import Job, JobBinding
+from dispatch.security.sqlperm import MESSAGE, allowed, binding_needs, job_needs
+
+
+def job_form(form_class: type[forms.ModelForm], request: HttpRequest) -> type:  # type: ignore[type-arg]
+    class JobQueryForm(form_class):  # type: ignore[valid-type,misc]
+        def clean(self) -> dict[str, Any]:
+            data = super().clean()
+            stored = None
+            if self.instance.pk and not self.instance._state.adding:
+                stored = (
+                    Job.objects.filter(pk=self.instance.pk)
+                    .values_list("source_spec", flat=True)
+                    .first()
+                )
+            needed = "source_spec" in data and job_needs(data["source_spec"], stored)
+            if needed and not allowed(request):
+                self.add_error("source_spec", MESSAGE)
+            return data
+
+    return JobQueryForm
+
+
+def binding_form(form_class: type[forms.ModelForm], request: HttpRequest) -> type:  # type: ignore[type-arg]
+    class BindingQueryForm(form_class):  # type: ignore[valid-type,misc]
+        def clean(self) -> dict[str, Any]:
+            data = super().clean()
+            stored = None
+            if self.instance.pk and not self.instance._state.adding:
+                stored = (
+                    JobBinding.objects.filter(pk=self.instance.pk)
+                    .values("job_id", "source_id")
+                    .first()
+                )
+            job = data.get("job")
+            source = data.get("source")
+            if binding_needs(job, source.pk if source else None, stored) and not allowed(request):
+                self.add_error(None, MESSAGE)
+            return data
+
+    return BindingQueryForm
+
+
+def guard_job_save(request: HttpRequest, obj: Any, change: bool) -> None:
+    stored = (
+        Job.objects.filter(pk=obj.pk).values_list("source_spec", flat=True).first()
+        if change
+        else None
+    )
+    if job_needs(obj.source_spec, stored) and not allowed(request):
+        raise PermissionDenied(MESSAGE)
+
+
+def guard_binding_save(request: HttpRequest, obj: Any, change: bool) -> None:
+    stored = (
+        JobBinding.objects.filter(pk=obj.pk).values("job_id", "source_id").first()
+        if change
+        else None
+    )
+    if binding_needs(obj.job, obj.source_id, stored) and not allowed(request):
+        raise PermissionDenied(MESSAGE)
