@@ -30,7 +30,7 @@ def _database() -> str | None:
 
 
 def _migrations() -> str | None:
-    from dispatch.site_checks import unapplied_migrations
+    from dispatch.checks import unapplied_migrations
 
     missing = unapplied_migrations()
     if missing:
