@@ -605,7 +605,11 @@ class BindingAlertsInline(admin.StackedInline):  # type: ignore[type-arg]
 
 
 @admin.register(Job)
-class JobAdmin(ConsoleAdmin):
+class JobAdmin(querypermission.QueryPermissionAdmin, ConsoleAdmin):
+    # Source queries need a permission of their own (dispatch.security.sqlperm).
+    form_wrapper = staticmethod(querypermission.job_form)
+    guard = staticmethod(querypermission.guard_job_save)
+
     list_display = [
         "name",
         "enabled",
@@ -628,25 +632,16 @@ class JobAdmin(ConsoleAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
         return super().get_queryset(request).annotate(binding_count=Count("bindings"))
 
-    # Source queries need a permission of their own (dispatch.security.sqlperm; the forms
-    # and guards are dispatch.console.querypermission).
-    def get_form(
-        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
-    ) -> Any:
-        form = super().get_form(request, obj, change=change, **kwargs)
-        return querypermission.job_form(form, request)
-
-    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
-        querypermission.guard_job_save(request, obj, change)
-        super().save_model(request, obj, form, change)
-
     @admin.display(description="bindings", ordering="binding_count")
     def binding_count(self, obj: Job) -> int:
         return int(getattr(obj, "binding_count", 0))
 
 
 @admin.register(JobBinding)
-class JobBindingAdmin(ConsoleAdmin):
+class JobBindingAdmin(querypermission.QueryPermissionAdmin, ConsoleAdmin):
+    form_wrapper = staticmethod(querypermission.binding_form)
+    guard = staticmethod(querypermission.guard_binding_save)
+
     list_display = [
         "name",
         "job",
@@ -672,16 +667,6 @@ class JobBindingAdmin(ConsoleAdmin):
     inlines = [BindingAlertsInline]
     has_trigger_permission = _perm("trigger_binding")
     has_reset_cursor_permission = _perm("reset_cursor_binding")
-
-    def get_form(
-        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
-    ) -> Any:
-        form = super().get_form(request, obj, change=change, **kwargs)
-        return querypermission.binding_form(form, request)
-
-    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
-        querypermission.guard_binding_save(request, obj, change)
-        super().save_model(request, obj, form, change)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[JobBinding]:
         latest = Run.objects.filter(binding=OuterRef("pk")).order_by("-created_at")

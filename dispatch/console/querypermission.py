@@ -71,3 +71,21 @@ def guard_binding_save(request: HttpRequest, obj: Any, change: bool) -> None:
     )
     if binding_needs(obj.job, obj.source_id, stored) and not allowed(request):
         raise PermissionDenied(MESSAGE)
+
+
+class QueryPermissionAdmin:
+    """A ModelAdmin mixin: the change form says when a source query needs the permission
+    (`form_wrapper`), and the save refuses without it on every path (`guard`)."""
+
+    form_wrapper: staticmethod[[type[forms.ModelForm], HttpRequest], type]  # type: ignore[type-arg]
+    guard: staticmethod[[HttpRequest, Any, bool], None]
+
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> Any:
+        form = super().get_form(request, obj, change=change, **kwargs)  # type: ignore[misc]
+        return self.form_wrapper(form, request)
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        self.guard(request, obj, change)
+        super().save_model(request, obj, form, change)  # type: ignore[misc]
