@@ -45,22 +45,24 @@ from dispatch import conf, services
 from dispatch.connectors import incremental
 from dispatch.connectors.base import ConnectorError
 from dispatch.console import querypermission
-from dispatch.console.forms import DatasourceForm, config_field_names
-from dispatch.console.paging import CappedPaginator
-from dispatch.console.views import (
-    ORIGIN_LABEL,
+from dispatch.console.actions import (
     ActionRefused,
     ActionResult,
     ActionSpec,
-    blocked_badge,
     confirmation_page,
+    run_action,
+)
+from dispatch.console.badges import (
+    ORIGIN_LABEL,
+    blocked_badge,
     duration_text,
-    overview_view,
     progress_bar,
     reason_badge,
-    run_action,
     status_badge,
 )
+from dispatch.console.forms import DatasourceForm, config_field_names
+from dispatch.console.overview import overview_view
+from dispatch.console.paging import CappedPaginator
 from dispatch.models import (
     SECRET_MASK,
     Attempt,

@@ -1,0 +1,168 @@
+"""The console's display mappings (a tone, a symbol and a label for every status,
+reason and blocked reason; tests/console/test_admin_mappings.py checks each covers every
+state) and the badges, bars and durations built from them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from dispatch import services
+from dispatch.states import (
+    TERMINAL_RUN_STATUSES,
+    BlockedReason,
+    Origin,
+    Reason,
+    Status,
+)
+
+if TYPE_CHECKING:
+    pass
+
+
+# --- display mappings (tests/test_admin_mappings.py checks each covers every state) ---
+
+# Tone of a status badge: one CSS class per tone, colours for light and dark mode live in
+# admin/dispatch/includes/console_style.html.
+STATUS_TONE: dict[str, str] = {
+    Status.PENDING: "wait",
+    Status.RUNNING: "live",
+    Status.SUCCEEDED: "ok",
+    Status.FAILED: "bad",
+    Status.CANCELLED: "off",
+    Status.RETRY_SCHEDULED: "warn",
+}
+# A symbol beside the colour, so a badge reads without colour vision (and in print).
+STATUS_SYMBOL: dict[str, str] = {
+    Status.PENDING: "◷",
+    Status.RUNNING: "▶",
+    Status.SUCCEEDED: "✓",
+    Status.FAILED: "✗",
+    Status.CANCELLED: "■",
+    Status.RETRY_SCHEDULED: "↻",
+}
+ORIGIN_LABEL: dict[str, str] = {
+    Origin.TRIGGER: "first try",
+    Origin.RETRY: "automatic retry",
+    Origin.OPERATOR: "operator retry",
+    Origin.RELEASE: "after release",
+}
+REASON_TONE: dict[str, str] = {
+    Reason.ERROR: "warn",
+    Reason.PERMANENT_ERROR: "bad",
+    Reason.LEASE_EXPIRED: "warn",
+    Reason.CANCELLED_BY_OPERATOR: "off",
+    Reason.TIMEOUT: "bad",
+    Reason.SNAPSHOT_UNREADABLE: "bad",
+    Reason.SHUTDOWN_RELEASED: "off",
+    Reason.RELEASED_BY_OPERATOR: "off",
+    Reason.ALREADY_COMMITTED: "ok",
+}
+# What an operator can do about a blocked attempt.
+BLOCKED_HINT: dict[str, str] = {
+    BlockedReason.JOB_DISABLED: "enable the job",
+    BlockedReason.BINDING_DISABLED: "enable the binding",
+    BlockedReason.SOURCE_DISABLED: "enable the source datasource",
+    BlockedReason.SINK_DISABLED: "enable the sink datasource",
+    BlockedReason.BINDING_AT_CAPACITY: "waits for a running attempt of the binding to end",
+}
+# Bars of the overview chart: one colour per terminal run status.
+CHART_ORDER: tuple[str, ...] = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+assert set(CHART_ORDER) == set(TERMINAL_RUN_STATUSES)
+
+# Refusal codes of dispatch.services.ActionRefused, as an operator reads them in a count.
+REFUSAL_TEXT: dict[str, str] = {
+    "ALREADY_FINISHED": "already finished",
+    "CANCEL_ALREADY_REQUESTED": "cancel already requested",
+    "NOT_RETRYABLE": "not failed or cancelled",
+    "NOT_WAITING": "not waiting on a backoff (claimed meanwhile, or already due)",
+    "NOT_RUNNING": "not running (finished, released or claimed anew meanwhile)",
+    "ALREADY_ENABLED": "already enabled",
+    "ALREADY_DISABLED": "already disabled",
+    "CONNECTION_FAILED": "connection failed",
+}
+# Refusals whose message is shown, not only the object's name.
+DETAILED_REFUSALS = frozenset({"CONNECTION_FAILED"})
+OUTCOME_TEXT: dict[str, str] = {
+    services.Outcome.TRIGGERED: "triggered",
+    services.Outcome.EXISTING: "already had a run",
+    services.Outcome.CANCELLED: "cancelled",
+    services.Outcome.CANCEL_REQUESTED: "cancel requested (the worker stops at its next heartbeat)",
+    services.Outcome.RETRIED: "retried (a new attempt is pending)",
+    services.Outcome.MADE_AVAILABLE: "made available now",
+    services.Outcome.RELEASED: "released (a successor attempt is pending now)",
+    "ENABLED": "enabled",
+    "DISABLED": "disabled",
+    "CONNECTION_OK": "connection OK",
+    "CURSOR_RESET": "cursor reset (the next run reads the whole source)",
+    "CURSOR_SET": "cursor set (the next run reads the rows above it)",
+}
+
+
+def status_badge(status: str | None) -> SafeString:
+    if not status:
+        return format_html('<span class="dsp-badge dsp-none">{}</span>', "—")
+    label = Status(status).label if status in Status.values else status
+    return format_html(
+        '<span class="dsp-badge dsp-{}" title="{}">{} {}</span>',
+        STATUS_TONE.get(status, "off"),
+        status,
+        STATUS_SYMBOL.get(status, "?"),
+        label,
+    )
+
+
+def reason_badge(reason: str | None) -> SafeString:
+    if not reason:
+        return format_html("{}", "")
+    label = Reason(reason).label if reason in Reason.values else reason
+    return format_html(
+        '<span class="dsp-reason dsp-{}" title="{}">{}</span>',
+        REASON_TONE.get(reason, "off"),
+        label,
+        reason,
+    )
+
+
+def blocked_badge(blocked: str | None) -> SafeString:
+    if not blocked:
+        return format_html("{}", "")
+    label = BlockedReason(blocked).label if blocked in BlockedReason.values else blocked
+    return format_html(
+        '<span class="dsp-reason dsp-warn" title="{}">{}</span>',
+        BLOCKED_HINT.get(blocked, ""),
+        label,
+    )
+
+
+def progress_bar(rows_read: int | None, rows_written: int | None) -> SafeString:
+    """Rows written against rows read (the total is unknown until a source ends)."""
+    read = rows_read or 0
+    written = rows_written or 0
+    pct = 100 if read == 0 and written == 0 else min(100, round(100 * written / max(read, 1)))
+    return format_html(
+        '<span class="dsp-progress" title="{} read, {} written">'
+        '<progress max="100" value="{}"></progress> {} / {}</span>',
+        f"{read:,}",
+        f"{written:,}",
+        pct if read or written else 0,
+        f"{written:,}",
+        f"{read:,}",
+    )
+
+
+def duration_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours} h {minutes:02d} min"
+    return f"{hours // 24} d {hours % 24} h"
