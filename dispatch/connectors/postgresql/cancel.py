@@ -210,7 +210,7 @@ class _Canceller:
         with self._lock:
             self._conn = None
             # An unfinished COPY or transaction is abandoned: closing rolls back.
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(psycopg.Error, OSError):
                 conn.close()
 
 

@@ -8,7 +8,7 @@ import contextlib
 import os
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import psycopg
 from django.core.exceptions import ValidationError
@@ -24,9 +24,6 @@ from dispatch.connectors.base import (
     int_field,
 )
 from dispatch.security import limits, targets
-
-if TYPE_CHECKING:
-    from dispatch.connectors.postgresql.cancel import _Canceller
 
 SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 CONNECT_TIMEOUT_SECONDS = 10
@@ -99,8 +96,19 @@ def classify(exc: BaseException, secrets: list[str], what: str) -> ConnectorErro
     return TransientError(text)
 
 
+class _Watch(Protocol):
+    """What `_errors` needs of a connection's watcher (`cancel._Canceller`): it counts the
+    calls waiting on the server, and says why it dropped the connection on purpose."""
+
+    dropped: str | None
+
+    def enter(self) -> None: ...
+
+    def leave(self) -> None: ...
+
+
 @contextlib.contextmanager
-def _errors(secrets: list[str], what: str, watch: _Canceller | None = None) -> Iterator[None]:
+def _errors(secrets: list[str], what: str, watch: _Watch | None = None) -> Iterator[None]:
     if watch is not None:
         watch.enter()
     try:
@@ -121,7 +129,8 @@ def _errors(secrets: list[str], what: str, watch: _Canceller | None = None) -> I
 def _secrets(config: dict[str, Any]) -> list[str]:
     values = [str(config[k]) for k in ("password", "url") if config.get(k)]
     if config.get("url"):
-        with contextlib.suppress(Exception):
+        # A URL libpq cannot parse has no password to pick out (the URL is one already).
+        with contextlib.suppress(psycopg.ProgrammingError, UnicodeError):
             password = conninfo_to_dict(config["url"]).get("password")
             if password:
                 values.append(str(password))
@@ -140,7 +149,7 @@ def _has_password(config: dict[str, Any]) -> bool:
     if config.get("password"):
         return True
     if config.get("url"):
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(psycopg.ProgrammingError, UnicodeError):
             return bool(conninfo_to_dict(config["url"]).get("password"))
     return False
 

@@ -48,7 +48,6 @@ def _strip_query(query: str) -> str:
     return query.strip().rstrip(";").strip()
 
 
-# --- reader ---------------------------------------------------------------------------------
 class _Reader:
     """One connection, one REPEATABLE READ READ ONLY transaction: every row comes from the
     same snapshot, and a query that tries to write fails (permanently)."""
