@@ -43,12 +43,12 @@ from psycopg import sql
 
 from dispatch import conf, deadline, services
 from dispatch.db import DB_ERRORS, one_line
-from dispatch.ops import binding_metrics, metrics
 from dispatch.sqlfiles import query
 from dispatch.states import Reason, Status
 from dispatch.worker import claims, listen
 from dispatch.worker.claims import ClaimedAttempt
 from dispatch.worker.runner import ExecutionControl, Runner, StopCause
+from dispatch.worker.stats import DURATION_BUCKETS, Histogram, WorkerSnapshot
 
 log = logging.getLogger("dispatch.worker")
 
@@ -186,7 +186,7 @@ class WorkerDispatchCoordinator:
         self.burst = burst
         self.background = background or []
         self.stats: Counter[str] = Counter()
-        self._execution_seconds = binding_metrics.Histogram(binding_metrics.DURATION_BUCKETS)
+        self._execution_seconds = Histogram(DURATION_BUCKETS)
         self.executions: dict[uuid.UUID, Execution] = {}
         # Reentrant: request_stop takes it and may run in a signal handler on the main
         # thread while that thread holds it.
@@ -896,19 +896,19 @@ class WorkerDispatchCoordinator:
             self.stats["rows_written"] += execution.control.rows_written or 0
             self._execution_seconds.observe(seconds)
 
-    def metrics_snapshot(self) -> metrics.WorkerSnapshot:
+    def metrics_snapshot(self) -> WorkerSnapshot:
         """What the worker's metrics port shows (dispatch.ops.metrics.WorkerCollector)."""
         with self._lock:
             counters = {k: int(v) for k, v in self.stats.items()}
             busy = sum(1 for e in self.executions.values() if not e.done.is_set())
-            seconds = binding_metrics.Histogram(
+            seconds = Histogram(
                 self._execution_seconds.bounds,
                 list(self._execution_seconds.counts),
                 self._execution_seconds.total,
             )
         probe = self.probe.stats()
         state = list(listen.ListenState)[probe["listen_state"]]
-        return metrics.WorkerSnapshot(
+        return WorkerSnapshot(
             counters=counters,
             concurrency=self.concurrency,
             busy=busy,
