@@ -36,6 +36,9 @@ from dispatch.worker.stats import DURATION_BUCKETS, Histogram
 KEY = "metrics"
 # Runs (and attempts) folded per transaction.
 BATCH = 2000
+# Queue-wait histogram bounds, seconds (+Inf is the last bucket); durations use the
+# worker's DURATION_BUCKETS. Changing a tuple resets the buckets stored with other bounds
+# (each histogram keeps the bounds it was counted with).
 WAIT_BUCKETS: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600,
 )  # fmt: skip

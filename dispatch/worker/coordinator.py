@@ -897,7 +897,7 @@ class WorkerDispatchCoordinator:
             self._execution_seconds.observe(seconds)
 
     def metrics_snapshot(self) -> WorkerSnapshot:
-        """What the worker's metrics port shows (dispatch.ops.metrics.WorkerCollector)."""
+        """What the worker's metrics port (`runworker --metrics-port`) shows."""
         with self._lock:
             counters = {k: int(v) for k, v in self.stats.items()}
             busy = sum(1 for e in self.executions.values() if not e.done.is_set())

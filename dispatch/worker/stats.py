@@ -1,4 +1,5 @@
-"""What a worker counts of itself in memory, for its metrics port."""
+"""What a worker counts of itself in memory, for its metrics port. The site's per-binding
+counters keep their histograms in the same structure."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
-# Histogram bounds, seconds (+Inf is the last bucket). Changing a tuple resets the
-# buckets stored with other bounds (each histogram keeps the bounds it was counted with).
+# Histogram bounds of execution and run durations, seconds (+Inf is the last bucket): the
+# worker's own and the site's per-binding histograms. Changing them resets the buckets
+# stored with other bounds (each histogram keeps the bounds it was counted with).
 DURATION_BUCKETS: tuple[float, ...] = (
     0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600,
 )  # fmt: skip
@@ -53,6 +55,8 @@ def _le(bound: float) -> str:
 
 @dataclass(frozen=True)
 class WorkerSnapshot:
+    """What a worker's metrics port shows, read from memory at each scrape."""
+
     counters: dict[str, int]
     concurrency: int
     busy: int
