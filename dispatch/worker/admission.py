@@ -24,7 +24,7 @@ HANDOFF_SECONDS = 1.0
 UNCLAIMED_SECONDS = 2 * HANDOFF_SECONDS
 
 
-class _SlotRefill:
+class SlotRefill:
     """The Refill a runner uses to claim its slot's next attempt in its settlement."""
 
     def __init__(self, coordinator: Admission) -> None:
@@ -55,6 +55,11 @@ class _SlotRefill:
 
 
 class Admission(CoordinatorBase):
+    """Claiming, on the main thread (a settlement's claim for its own slot comes from an
+    executor thread, through SlotRefill): a notified run's attempt for the worker ranked
+    first for it, generic refills of free slots, and the timer for the next due attempt.
+    Each claim is one short transaction (dispatch.worker.claims)."""
+
     def rank(self, run_id: uuid.UUID) -> int:
         """This worker's place among the live workers with a free slot for one run:
         rendezvous hashing, so every worker computes the same order from the same view

@@ -21,7 +21,7 @@ from dispatch import conf
 from dispatch.db import DB_ERRORS
 from dispatch.worker import claims, listen
 from dispatch.worker.claims import ClaimedAttempt
-from dispatch.worker.listen import _ListenOpening
+from dispatch.worker.listen import ListenOpening
 from dispatch.worker.runner import ExecutionControl
 from dispatch.worker.stats import DURATION_BUCKETS, Histogram
 
@@ -58,6 +58,11 @@ class TickReport:
 
 
 class CoordinatorBase:
+    """The worker's settings and the state its parts share. The main thread admits and
+    reaps, executor threads add executions (a settlement that claimed) and count, the
+    heartbeat thread leaves its look at the queue and its peers: those are read and
+    written under `_lock`."""
+
     def __init__(
         self,
         *,
@@ -98,7 +103,7 @@ class CoordinatorBase:
         os.set_blocking(self._wake_w, False)
         self._listen: psycopg.Connection[Any] | None = None
         # A thread opening the LISTEN connection, and what it hands over.
-        self._listen_opening: _ListenOpening | None = None
+        self._listen_opening: ListenOpening | None = None
         self._listen_retry_at = 0.0
         self._listen_backoff = 0.5
         self.probe = listen.ListenProbe(

@@ -14,6 +14,11 @@ one heartbeat thread extends every held lease in one statement. Admission paths:
 Notifications are hints: a lost, duplicated, malformed or unknown one changes latency
 only. The worker never compares its clock with a database timestamp: delays come from
 the database as durations and are kept on the local monotonic clock.
+
+The coordinator composes its parts, one module each: admission (claims, slot refills,
+ranking), heartbeat (heartbeats, the lease rule, stops) and handover (the LISTEN
+connection), over the state they share (base). This module keeps the lifecycle, the main
+loop's iteration, recovery, waiting and the executor threads.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from dispatch.db import DB_ERRORS, one_line
 from dispatch.sqlfiles import query
 from dispatch.states import Reason, Status
 from dispatch.worker import claims, listen
-from dispatch.worker.admission import Admission, _SlotRefill
+from dispatch.worker.admission import Admission, SlotRefill
 from dispatch.worker.base import RECONNECT_MAX_SECONDS, Execution, TickReport
 from dispatch.worker.handover import ListenHandover
 from dispatch.worker.heartbeat import Heartbeat
@@ -48,6 +53,8 @@ log = logging.getLogger("dispatch.worker")
 
 
 class WorkerDispatchCoordinator(Admission, Heartbeat, ListenHandover):
+    """The `runworker` process; constructed with CoordinatorBase's arguments."""
+
     # --- lifecycle ----------------------------------------------------------------------
     def run(self) -> int:
         """Run until SIGTERM/SIGINT (or, with `burst`, until nothing is claimable)."""
@@ -356,7 +363,7 @@ class WorkerDispatchCoordinator(Admission, Heartbeat, ListenHandover):
                     execution.claimed,
                     execution.control,
                     on_event=self._on_event,
-                    refill=_SlotRefill(self),
+                    refill=SlotRefill(self),
                 )
                 started = time.monotonic()
                 try:

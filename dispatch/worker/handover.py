@@ -15,18 +15,25 @@ from dispatch import conf, deadline
 from dispatch.db import one_line
 from dispatch.worker import listen
 from dispatch.worker.base import RECONNECT_MAX_SECONDS, CoordinatorBase
-from dispatch.worker.listen import _ListenOpening
+from dispatch.worker.listen import ListenOpening
 
 log = logging.getLogger("dispatch.worker")
 
+# What opening (or using) the LISTEN connection may raise that means only "not now": the
+# worker polls meanwhile and reconnects after a backoff. Anything else is a fault.
+LISTEN_ERRORS: tuple[type[BaseException], ...] = (psycopg.Error, OSError, deadline.DeadlineExceeded)
+
 
 class ListenHandover(CoordinatorBase):
+    """The LISTEN connection, opened on a thread of its own and adopted by the main thread,
+    read for notifications, and dropped when its self-probe says wake-ups do not arrive."""
+
     def _listen_open_in_background(self) -> None:
         """Open the LISTEN connection on a thread of its own. Connecting to a host that
         swallows packets waits up to `connect_timeout`; on the main thread that wait would
         stop claims, settlements' reaping and recovery, while the worker says it polls.
         The thread hands the connection over (or the error) and wakes the main loop."""
-        opening = _ListenOpening()
+        opening = ListenOpening()
         channel = conf.channel()
 
         def open_listening() -> None:
@@ -40,7 +47,14 @@ class ListenHandover(CoordinatorBase):
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 if conn is not None:
                     conn.close()
-                opening.finish(error=exc)
+                # The main thread re-raises a fault (_listen_adopt); at shutdown nobody
+                # takes it, so it is logged here.
+                if not opening.finish(error=exc) and not isinstance(exc, LISTEN_ERRORS):
+                    log.error(
+                        "opening the LISTEN connection failed worker=%s",
+                        self.worker_id,
+                        exc_info=exc,
+                    )
             else:
                 opening.finish(conn=conn, proxied=proxied)
             self._wake()
@@ -61,7 +75,7 @@ class ListenHandover(CoordinatorBase):
         self._listen_opening = None
         if opening.error is not None:
             error = opening.error
-            if not isinstance(error, (psycopg.Error, OSError, deadline.DeadlineExceeded)):
+            if not isinstance(error, LISTEN_ERRORS):
                 raise error
             self._listen_lost(error)
             return False
@@ -75,7 +89,7 @@ class ListenHandover(CoordinatorBase):
 
     def _close_listen(self) -> None:
         if self._listen is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(psycopg.Error, OSError):
                 self._listen.close()
             self._listen = None
         self.probe.disconnected()
@@ -97,7 +111,7 @@ class ListenHandover(CoordinatorBase):
         self._count("listen_probe_failures")
         if action is listen.ProbeAction.STOP_LISTENING:
             with (
-                contextlib.suppress(Exception),
+                contextlib.suppress(*LISTEN_ERRORS),
                 deadline.guarded(self._listen, "unlisten", self.coordination_timeout),
             ):
                 self._listen.execute("UNLISTEN *")  # best effort: the pooler keeps it

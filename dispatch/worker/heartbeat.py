@@ -16,6 +16,10 @@ log = logging.getLogger("dispatch.worker")
 
 
 class Heartbeat(CoordinatorBase):
+    """The heartbeat thread (one statement extends every held lease and brings back a look
+    at the queue and the live peers) and the lease thread, which stops what the database
+    no longer confirms without waiting for the database."""
+
     def heartbeat_once(self) -> None:
         """One heartbeat for every held attempt (and the worker row)."""
         with self._lock:

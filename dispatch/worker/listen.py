@@ -258,7 +258,7 @@ def probe_report(stats: dict[str, Any] | None) -> ProbeReport:
     )
 
 
-class _ListenOpening:
+class ListenOpening:
     """What the thread that opens a LISTEN connection hands the main thread: `done` is
     set once the connection (or the error) is in place, so the main thread never takes a
     half-made hand-over, and a connection finished after the worker gave up on it (at
@@ -278,19 +278,22 @@ class _ListenOpening:
         conn: psycopg.Connection[Any] | None = None,
         proxied: bool = False,
         error: BaseException | None = None,
-    ) -> None:
+    ) -> bool:
+        """Hand the connection (or the error) over; False if nobody takes it any more
+        (the connection is closed here)."""
         with self._lock:
             if self._abandoned:
                 if conn is not None:
                     conn.close()
-                return
+                return False
             self.conn, self.proxied, self.error = conn, proxied, error
             self.done.set()
+            return True
 
     def abandon(self) -> None:
         with self._lock:
             self._abandoned = True
             conn, self.conn = self.conn, None
         if conn is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(psycopg.Error, OSError):
                 conn.close()
