@@ -20,7 +20,6 @@ the lag's default is above the coordination timeout, which bounds a settlement.
 
 from __future__ import annotations
 
-import bisect
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,56 +31,17 @@ from django.db.models.functions import Now
 
 from dispatch import conf
 from dispatch.sqlfiles import ops_query
+from dispatch.worker.stats import DURATION_BUCKETS, Histogram
 
 KEY = "metrics"
 # Runs (and attempts) folded per transaction.
 BATCH = 2000
-# Histogram bounds, seconds (+Inf is the last bucket). Changing a tuple resets the
-# buckets stored with other bounds (each histogram keeps the bounds it was counted with).
-DURATION_BUCKETS: tuple[float, ...] = (
-    0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600,
-)  # fmt: skip
+# Queue-wait histogram bounds, seconds (+Inf is the last bucket); durations use the
+# worker's DURATION_BUCKETS. Changing a tuple resets the buckets stored with other bounds
+# (each histogram keeps the bounds it was counted with).
 WAIT_BUCKETS: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600,
 )  # fmt: skip
-
-
-@dataclass
-class Histogram:
-    bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-
-    def __post_init__(self) -> None:
-        if len(self.counts) != len(self.bounds) + 1:
-            self.counts = [0] * (len(self.bounds) + 1)
-
-    def observe(self, value: float) -> None:
-        # Prometheus buckets are "less than or equal": bisect_left finds the first bound
-        # that is >= value.
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        """(le, count) pairs as Prometheus wants them, +Inf last."""
-        out, running = [], 0
-        for bound, n in zip([*map(_le, self.bounds), "+Inf"], self.counts, strict=True):
-            running += n
-            out.append((bound, running))
-        return out
-
-    def dump(self) -> dict[str, Any]:
-        return {"le": list(self.bounds), "counts": self.counts, "sum": self.total}
-
-    @classmethod
-    def load(cls, data: Any, bounds: tuple[float, ...]) -> Histogram:
-        if isinstance(data, dict) and tuple(data.get("le") or ()) == bounds:
-            return cls(bounds, list(data.get("counts") or []), float(data.get("sum") or 0.0))
-        return cls(bounds)
-
-
-def _le(bound: float) -> str:
-    return repr(float(bound))
 
 
 @dataclass

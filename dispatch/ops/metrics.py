@@ -12,7 +12,6 @@ import hmac
 import json
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from django.db import connection
@@ -32,6 +31,7 @@ from dispatch.models.ops import HealthState
 from dispatch.ops import binding_metrics
 from dispatch.sqlfiles import ops_query
 from dispatch.worker.listen import UNHEALTHY_STATES, probe_report
+from dispatch.worker.stats import WorkerSnapshot
 
 MAX_BINDINGS = 200
 # Worker counters (dispatch_worker.stats) exported, summed over live workers.
@@ -249,16 +249,6 @@ class WorkerSource(Protocol):
     """What a worker shows its metrics port (dispatch.worker.coordinator implements it)."""
 
     def metrics_snapshot(self) -> WorkerSnapshot: ...
-
-
-@dataclass(frozen=True)
-class WorkerSnapshot:
-    counters: dict[str, int]
-    concurrency: int
-    busy: int
-    listen_state: str
-    listen_healthy: bool
-    execution_seconds: binding_metrics.Histogram
 
 
 class WorkerCollector:

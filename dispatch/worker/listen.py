@@ -15,9 +15,11 @@ of its own except the probe NOTIFY. Its counters and gauges go into the worker r
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -254,3 +256,44 @@ def probe_report(stats: dict[str, Any] | None) -> ProbeReport:
         received=int(stats.get("listen_probes_received", 0)),
         missed=int(stats.get("listen_probes_missed", 0)),
     )
+
+
+class ListenOpening:
+    """What the thread that opens a LISTEN connection hands the main thread: `done` is
+    set once the connection (or the error) is in place, so the main thread never takes a
+    half-made hand-over, and a connection finished after the worker gave up on it (at
+    shutdown) is closed by the thread itself."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.conn: psycopg.Connection[Any] | None = None
+        self.proxied = False
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._abandoned = False
+
+    def finish(
+        self,
+        *,
+        conn: psycopg.Connection[Any] | None = None,
+        proxied: bool = False,
+        error: BaseException | None = None,
+    ) -> bool:
+        """Hand the connection (or the error) over; False if nobody takes it any more
+        (the connection is closed here)."""
+        with self._lock:
+            if self._abandoned:
+                if conn is not None:
+                    conn.close()
+                return False
+            self.conn, self.proxied, self.error = conn, proxied, error
+            self.done.set()
+            return True
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error, OSError):
+                conn.close()

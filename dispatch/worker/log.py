@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 
 LOGGERS = ("dispatch", "scheduling")
 FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -25,3 +26,11 @@ def ensure_worker_logging() -> bool:
             logger.setLevel(logging.INFO)
         added = True
     return added
+
+
+def where(exc: BaseException) -> str:
+    """An exception's traceback without its message: where it was raised carries no
+    secret, while a datasource's error text may carry one (the attempt records that text
+    sanitized)."""
+    frames = "".join(traceback.format_tb(exc.__traceback__))
+    return f"Traceback (most recent call last):\n{frames}{type(exc).__qualname__}"

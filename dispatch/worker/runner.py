@@ -28,11 +28,12 @@ from dispatch.connectors.base import (
     Stopped,
     copy_format,
 )
-from dispatch.db import DB_ERRORS
+from dispatch.db import DB_ERRORS, one_line
 from dispatch.security import crypto
 from dispatch.states import Reason, Status
 from dispatch.worker import claims
 from dispatch.worker.claims import ClaimedAttempt
+from dispatch.worker.log import where
 
 log = logging.getLogger("dispatch.runner")
 
@@ -121,7 +122,13 @@ class ExecutionControl:
         try:
             interrupt()
         except Exception as exc:  # noqa: BLE001 - an interrupt is best effort
-            log.warning("interrupting the running statement failed error=%s", type(exc).__name__)
+            # A connector's interrupt handles the errors it expects: this is a fault, on a
+            # thread of its own that ends here.
+            log.warning(
+                "interrupting the running statement failed error=%s\n%s",
+                type(exc).__name__,
+                where(exc),
+            )
 
     def next_deadline(self) -> float | None:
         """The monotonic time this execution times out, unless it is already stopping."""
@@ -179,7 +186,7 @@ class AttemptFence:
                 )
                 found = cursor.fetchone() is not None
         except DjangoDBError as exc:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*DB_ERRORS):
                 connection.close()
             raise LeaseLost(f"the lease could not be confirmed: {exc}") from None
         if not found:
@@ -320,10 +327,10 @@ class Runner:
                 self._log(
                     "outcome not recorded yet, retrying in %.1fs error=%s",
                     delay,
-                    " ".join(str(exc).split())[:200],
+                    one_line(exc),
                     level=logging.WARNING,
                 )
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(*DB_ERRORS):
                     connection.close()
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -407,9 +414,18 @@ class Runner:
             )
             return self.settle(outcome, reason, str(exc))
         except Exception as exc:  # noqa: BLE001 - any failure of a connector is the attempt's
+            # Not a ConnectorError: a fault of a connector (or of this code). The attempt
+            # records it; the worker log keeps where it was raised.
+            log.warning(
+                "attempt error %s run=%s attempt=%s token=%s\n%s",
+                type(exc).__name__,
+                c.run_id,
+                c.number,
+                c.lease_token,
+                where(exc),
+            )
             if self.control.cause is not None:
                 return self._stopped(exc)
-            self._log("attempt error %s", type(exc).__name__, level=logging.WARNING)
             return self.settle("ERROR", Reason.ERROR, f"{type(exc).__name__}: {exc}")
         self.control.rows_written = max(self.control.rows_written, result.rows_written)
         committed = getattr(writer, "cursor_committed", None)

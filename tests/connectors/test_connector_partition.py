@@ -1,5 +1,5 @@
 """A source or sink database behind a silent partition: a proxy the test owns keeps the
-connection open and answers nothing (project/blackhole.py). A connector waiting on it
+connection open and answers nothing (tools/blackhole.py). A connector waiting on it
 must not wait for ever: its watcher asks the server, on a connection of its own, what the
 session is doing and drops the connection when nothing answers; a stop reaches it even
 when the cancel request cannot; and nothing half-written stays in the sink."""
@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from dispatch.connectors import postgresql
 from dispatch.connectors.base import TransientError
 from dispatch.connectors.postgresql import PostgreSQLConnector as PG
+from dispatch.connectors.postgresql.cancel import _Canceller
 from tests.conftest import wait_until
 from tests.support.connectors import Ctx, ScratchDB, run_transfer, scratch_db
 from tools.blackhole import BlackholeProxy
@@ -172,14 +172,14 @@ def test_connector_partition__a_slow_statement_the_server_reports_running_is_lef
 ) -> None:
     settings.DISPATCH_CONNECTOR_PROBE_SECONDS = 1
     seen: list[str | None] = []
-    probe = postgresql._Canceller._probe
+    probe = _Canceller._probe
 
     def recorded(self: Any, timeout: float, pid: int | None) -> tuple[str | None, str]:
         state, stamp = probe(self, timeout, pid)
         seen.append(state)
         return state, stamp
 
-    monkeypatch.setattr(postgresql._Canceller, "_probe", recorded)
+    monkeypatch.setattr(_Canceller, "_probe", recorded)
     src_db.execute("CREATE TABLE items (id integer PRIMARY KEY, label text)")
     src_db.execute("INSERT INTO items VALUES (1, 'one')")
     ctx = Ctx()

@@ -1,0 +1,253 @@
+"""The `postgresql` kind: a source read with COPY in one REPEATABLE READ snapshot, and a
+sink written with COPY in one transaction that ends with the sink-side fence.
+
+See docs/connectors.md for the spec fields, the fencing protocol and the choices made
+(why `replace` deletes inside the load transaction instead of swapping tables).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from django.core.exceptions import ValidationError
+from psycopg.conninfo import conninfo_to_dict
+
+from dispatch.connectors import incremental
+from dispatch.connectors.base import (
+    Column,
+    ConfigField,
+    Connector,
+    TransferContext,
+    check_unknown,
+    require_object,
+)
+from dispatch.connectors.postgresql.cancel import _Canceller
+from dispatch.connectors.postgresql.connect import (
+    AUTH_METHODS,
+    SSLMODES,
+    URL_EXCLUSIVE,
+    _errors,
+    _secrets,
+    _set_timeouts,
+    _timeouts,
+    classify,
+    connect,
+    parse_table,
+    policy_errors,
+)
+from dispatch.connectors.postgresql.reader import _Reader, _strip_query
+from dispatch.connectors.postgresql.writer import SINK_MODES, _Writer
+
+__all__ = [
+    "PostgreSQLConnector",
+    "_Canceller",
+    "_Reader",
+    "_Writer",
+    "classify",
+    "connect",
+    "parse_table",
+    "policy_errors",
+]
+
+
+class PostgreSQLConnector(Connector):
+    kind = "postgresql"
+    label = "PostgreSQL"
+    roles = frozenset({"source", "sink"})
+    config_fields = (
+        ConfigField("host", destination=True, help="Host name or address (or use url)."),
+        ConfigField("port", kind=int, destination=True, help="Port, default 5432."),
+        ConfigField("dbname", destination=True, help="Database name."),
+        ConfigField("user", destination=True, help="Role to connect as."),
+        ConfigField("password", secret=True, help="The role's password."),
+        ConfigField(
+            "sslmode",
+            destination=True,
+            help="disable, allow, prefer, require, verify-ca or verify-full.",
+        ),
+        ConfigField(
+            "require_auth",
+            destination=True,
+            help="Authentication methods the connection accepts (libpq's require_auth), "
+            "e.g. scram-sha-256. Default with a password: !password (never sent in clear).",
+        ),
+        ConfigField(
+            "url",
+            secret=True,
+            help="postgresql://user:password@host:port/dbname — instead of the fields above, "
+            "never together with them.",
+        ),
+    )
+    SOURCE_FIELDS = {
+        "table",
+        "query",
+        "incremental",
+        "statement_timeout_seconds",
+        "lock_timeout_seconds",
+    }
+    SINK_FIELDS = {
+        "table",
+        "mode",
+        "key",
+        "create",
+        "statement_timeout_seconds",
+        "lock_timeout_seconds",
+    }
+
+    @classmethod
+    def validate_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        config = super().validate_config(config)
+        errors: dict[str, list[str]] = {}
+        if config.get("url"):
+            url = str(config["url"])
+            if not url.startswith(("postgres://", "postgresql://")):
+                errors["url"] = ["must start with postgresql:// or postgres://"]
+            else:
+                try:
+                    conninfo_to_dict(url)
+                except psycopg.ProgrammingError:
+                    errors["url"] = ["is not a valid PostgreSQL URL"]
+        elif not config.get("host"):
+            errors["host"] = ["this field is required (or give url)"]
+        if not config.get("url") and not config.get("dbname"):
+            errors["dbname"] = ["this field is required (or give url)"]
+        port = config.get("port")
+        if isinstance(port, int) and not 0 < port < 65536:
+            errors["port"] = ["must be between 1 and 65535"]
+        if config.get("sslmode") and config["sslmode"] not in SSLMODES:
+            errors["sslmode"] = [f"must be one of {', '.join(SSLMODES)}"]
+        if config.get("url"):
+            mixed = [k for k in URL_EXCLUSIVE if config.get(k) not in (None, "")]
+            if mixed:
+                errors.setdefault("url", []).append(
+                    f"give either url or the separate fields, not both ({', '.join(mixed)} "
+                    "set as well)"
+                )
+        if not errors:
+            problems = policy_errors(config)
+            if problems:
+                errors["url" if config.get("url") else "host"] = problems
+        if config.get("require_auth"):
+            methods = [m.strip() for m in str(config["require_auth"]).split(",")]
+            negated = {m.startswith("!") for m in methods}
+            names = {m.lstrip("!") for m in methods}
+            if len(negated) != 1 or not names <= AUTH_METHODS:
+                errors["require_auth"] = [
+                    f"must be a comma-separated list of {', '.join(sorted(AUTH_METHODS))}, "
+                    "all or none of them negated with !"
+                ]
+        if errors:
+            raise ValidationError(errors)
+        return config
+
+    @classmethod
+    def validate_source_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        spec = require_object(spec, "source_spec")
+        check_unknown(spec, cls.SOURCE_FIELDS)
+        has_table, has_query = bool(spec.get("table")), bool(spec.get("query"))
+        if has_table == has_query:
+            raise ValidationError("give exactly one of table or query")
+        if has_table:
+            parse_table(spec["table"])
+        else:
+            query = spec["query"]
+            if not isinstance(query, str) or not _strip_query(query):
+                raise ValidationError("query: must be a non-empty SQL query text")
+            if ";" in _strip_query(query):
+                raise ValidationError("query: must be one statement (no ';')")
+        incremental.validate(spec)
+        _timeouts(spec)
+        return spec
+
+    @classmethod
+    def validate_sink_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        spec = require_object(spec, "sink_spec")
+        check_unknown(spec, cls.SINK_FIELDS)
+        if not spec.get("table"):
+            raise ValidationError("table: this field is required")
+        parse_table(spec["table"])
+        mode = spec.get("mode", "append")
+        if mode not in SINK_MODES:
+            raise ValidationError(f"mode: must be one of {', '.join(SINK_MODES)}")
+        key = spec.get("key")
+        if mode == "upsert":
+            if (
+                not isinstance(key, list)
+                or not key
+                or not all(isinstance(k, str) and k for k in key)
+            ):
+                raise ValidationError("key: upsert needs a non-empty list of column names")
+        elif key is not None:
+            raise ValidationError("key: only used with mode upsert")
+        if not isinstance(spec.get("create", False), bool):
+            raise ValidationError("create: must be true or false")
+        _timeouts(spec)
+        return spec
+
+    @classmethod
+    def test_connection(cls, config: dict[str, Any]) -> None:
+        conn = connect(config, what="test connection")
+        try:
+            with _errors(_secrets(config), "test connection"):
+                conn.execute("SELECT 1")
+        finally:
+            conn.close()
+
+    @classmethod
+    @contextlib.contextmanager
+    def open_reader(
+        cls, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext
+    ) -> Iterator[Any]:
+        reader = _Reader(config, spec, ctx)
+        try:
+            reader.open()
+            yield reader
+        finally:
+            reader.close()
+
+    @classmethod
+    def set_cursor(
+        cls,
+        config: dict[str, Any],
+        spec: dict[str, Any],
+        binding_id: uuid.UUID,
+        columns: tuple[str, ...],
+        cursor: list[str] | None,
+    ) -> incremental.CommittedCursor:
+        """An operator's reset (None) or set of a binding's committed cursor, in the sink
+        database beside the fence (`incremental.set_committed`)."""
+        secrets = _secrets(config)
+        conn = connect(config, what="sink connect")
+        try:
+            with _errors(secrets, "sink cursor"):
+                _set_timeouts(conn, spec)
+                schema, _name = parse_table(spec["table"])
+                if not schema:
+                    row = conn.execute("SELECT pg_catalog.current_schema()").fetchone()
+                    schema = row[0] if row else "public"
+                conn.commit()
+                return incremental.set_committed(
+                    conn, schema, binding_id, columns=columns, cursor=cursor
+                )
+        finally:
+            conn.close()
+
+    @classmethod
+    @contextlib.contextmanager
+    def open_writer(
+        cls,
+        config: dict[str, Any],
+        spec: dict[str, Any],
+        ctx: TransferContext,
+        columns: list[Column],
+    ) -> Iterator[Any]:
+        writer = _Writer(config, spec, ctx, columns)
+        try:
+            writer.open()
+            yield writer
+        finally:
+            writer.close()

@@ -1,0 +1,253 @@
+"""The `postgresql` source: COPY out of one REPEATABLE READ READ ONLY snapshot."""
+
+from __future__ import annotations
+
+import select
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from psycopg import pq, sql
+
+from dispatch.connectors import incremental
+from dispatch.connectors.base import Batch, Column, PermanentError, TransferContext
+from dispatch.connectors.postgresql.cancel import _Canceller
+from dispatch.connectors.postgresql.connect import (
+    _errors,
+    _secrets,
+    _set_timeouts,
+    _table_sql,
+    connect,
+    parse_table,
+)
+from dispatch.security import targets
+
+# Rows per batch on the decoded (row by row) path.
+BATCH_ROWS = 5000
+# The COPY fast path hands the sink blocks of about this size: large enough that the
+# per-block Python work vanishes, small enough that memory stays flat.
+COPY_BLOCK_BYTES = 1 << 20
+
+
+def _check_least_privilege(conn: psycopg.Connection[Any]) -> None:
+    """A `query` source runs arbitrary SQL: refuse a role that can do more than read
+    tables (docs/security.md, "Source queries")."""
+    row = conn.execute(targets.PRIVILEGED_ROLE_SQL, [list(targets.PRIVILEGED_ROLES)]).fetchone()
+    conn.commit()
+    if row is None:
+        return
+    role, powers = row[0], [p for p in row[1] or [] if p]
+    if powers:
+        raise PermanentError(
+            f"source: the role {role!r} has {', '.join(powers)}; a query source needs a "
+            "least-privilege role (SELECT on its tables only; DISPATCH_QUERY_SOURCE_LEAST_PRIVILEGE)"
+        )
+
+
+def _strip_query(query: str) -> str:
+    return query.strip().rstrip(";").strip()
+
+
+class _Reader:
+    """One connection, one REPEATABLE READ READ ONLY transaction: every row comes from the
+    same snapshot, and a query that tries to write fails (permanently)."""
+
+    def __init__(
+        self, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext | None = None
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.secrets = _secrets(config)
+        self.conn: psycopg.Connection[Any] | None = None
+        self._canceller = _Canceller(ctx, config, "source")
+        self.columns: list[Column] = []
+        self.oids: list[int] = []
+        # An incremental read (dispatch/connectors/incremental.py): `bound()` decides the
+        # rows in this reader's snapshot before any is read.
+        self.incremental = incremental.parse(spec)
+        self._plan: incremental.CursorReadPlan | None = None
+        self.bounds: incremental.Bounds | None = None
+
+    def _relation(self) -> sql.Composable:
+        if self.spec.get("table"):
+            schema, name = parse_table(self.spec["table"])
+            ident = _table_sql(schema, name) if schema else sql.Identifier(name)
+            return sql.SQL("SELECT * FROM {}").format(ident)
+        # The query is SQL by design (the job's author wrote it); it runs inside a READ ONLY
+        # transaction, so it cannot change anything.
+        return sql.SQL(_strip_query(self.spec["query"]))  # type: ignore[arg-type]
+
+    def open(self) -> None:
+        self.conn = connect(self.config, what="source connect")
+        self._canceller.attach(self.conn)
+        with _errors(self.secrets, "source", self._canceller):
+            self._canceller.watch(_set_timeouts(self.conn, self.spec))
+            if self.spec.get("query") and targets.query_sources_least_privilege():
+                _check_least_privilege(self.conn)
+            self.conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            self.conn.read_only = True
+            # The first statement takes the snapshot; describing the relation inside the
+            # same transaction means the column list and the rows agree.
+            cur = self.conn.execute(
+                sql.SQL("SELECT * FROM ({}) AS q LIMIT 0").format(self._relation())
+            )
+            result = cur.pgresult
+            assert result is not None and cur.description is not None
+            names = [d.name for d in cur.description]
+            self.oids = [result.ftype(i) for i in range(result.nfields)]
+            mods = [result.fmod(i) for i in range(result.nfields)]
+            # A result column that is a table's column takes that column's declared type
+            # (a domain stays the domain, not its base type; enums, arrays and typmods as
+            # declared); any other its result type. format_type(oid, typmod) is what the
+            # catalog says: numeric(12,2), character varying(20), posint, integer[] ...
+            tables = [result.ftable(i) for i in range(result.nfields)]
+            attnums = [result.ftablecol(i) for i in range(result.nfields)]
+            types = [
+                row[0]
+                for row in self.conn.execute(
+                    "SELECT coalesce(pg_catalog.format_type(a.atttypid, a.atttypmod),"
+                    "                pg_catalog.format_type(t.oid, t.mod))"
+                    "  FROM unnest(%s::oid[], %s::int[], %s::oid[], %s::int[])"
+                    "       WITH ORDINALITY AS t(oid, mod, rel, att, n)"
+                    "  LEFT JOIN pg_catalog.pg_attribute a"
+                    "    ON t.rel <> 0 AND a.attrelid = t.rel AND a.attnum = t.att"
+                    "   AND NOT a.attisdropped"
+                    " ORDER BY t.n",
+                    [self.oids, mods, tables, attnums],
+                )
+            ]
+            self.columns = [Column(n, t) for n, t in zip(names, types, strict=True)]
+            if self.incremental is not None:
+                self._plan = incremental.CursorReadPlan(
+                    self.incremental, self._relation(), self.columns
+                )
+
+    def bound(self, start: list[str] | None) -> incremental.Bounds:
+        """Incremental reads: the rows above `start` (the sink's committed cursor), decided
+        in this reader's snapshot; `end` is the greatest cursor tuple among them."""
+        assert self.conn is not None and self._plan is not None
+        with _errors(self.secrets, "source cursor", self._canceller):
+            self.bounds = self._plan.bound(self.conn, start)
+        return self.bounds
+
+    def close(self) -> None:
+        if self.conn is not None:
+            conn, self.conn = self.conn, None
+            self._canceller.close(conn)
+
+    def _copy_sql(self, fmt: str, options: dict[str, str] | None = None) -> sql.Composed:
+        if self._plan is not None and self.bounds is None:
+            raise PermanentError("incremental read started without its cursor bounds")
+        relation = (
+            self._plan.select(self.bounds)
+            if self._plan is not None and self.bounds is not None
+            else self._relation()
+        )
+        if fmt == "csv":
+            # PostgreSQL's own CSV text of every value (intervals, json as written,
+            # ranges, infinity, BC dates, 24:00), in UTF-8 whatever the client encoding.
+            # The delimiter and null string are the sink's (validated by its spec), as
+            # literals.
+            opts = options or {}
+            return sql.SQL(
+                "COPY ({}) TO STDOUT (FORMAT CSV, DELIMITER {}, NULL {}, ENCODING 'UTF8')"
+            ).format(
+                relation,
+                sql.Literal(opts.get("delimiter", ",")),
+                sql.Literal(opts.get("null", "")),
+            )
+        return sql.SQL("COPY ({}) TO STDOUT (FORMAT {})").format(
+            relation, sql.SQL("BINARY" if fmt == "binary" else "TEXT")
+        )
+
+    def batches(self) -> Iterator[Batch]:
+        """Decoded rows, streamed. Binary when psycopg can load every column in binary."""
+        assert self.conn is not None
+        binary = all(
+            self.conn.adapters.get_loader(oid, pq.Format.BINARY) is not None for oid in self.oids
+        )
+        with _errors(self.secrets, "source read", self._canceller):
+            cur = self.conn.cursor()
+            with cur.copy(self._copy_sql("binary" if binary else "text")) as copy:
+                copy.set_types(self.oids)
+                batch: Batch = []
+                for row in copy.rows():
+                    batch.append(row)
+                    if len(batch) >= BATCH_ROWS:
+                        with self._canceller.suspended():
+                            yield batch
+                        batch = []
+                if batch:
+                    with self._canceller.suspended():
+                        yield batch
+
+    def copy_chunks(
+        self, fmt: str, options: dict[str, str] | None = None
+    ) -> Iterator[tuple[bytes, int]]:
+        """Raw COPY data in blocks of about COPY_BLOCK_BYTES, with the rows in each block.
+
+        Reads libpq's buffer directly (non-blocking `get_copy_data`, waiting on the socket
+        with select, which releases the GIL): psycopg's per-message generator costs more
+        than the copy itself. PostgreSQL sends one CopyData message per row; in binary the
+        header rides with the first row and the trailer is a message of its own, so the
+        trailer (and only it) is not counted.
+        """
+        assert self.conn is not None
+        conn, pgconn = self.conn, self.conn.pgconn
+        with _errors(self.secrets, "source read", self._canceller):
+            # Sent on the connection whose transaction (and snapshot) open() began; psycopg
+            # sees the transaction status through libpq, so its state stays consistent.
+            pgconn.send_query(self._copy_sql(fmt, options).as_bytes(conn))
+            _wait(pgconn)
+            result = pgconn.get_result()
+            if result is None or result.status != pq.ExecStatus.COPY_OUT:
+                _raise_result(pgconn, result)
+            parts: list[bytes | memoryview] = []
+            size = rows = 0
+            while True:
+                nbytes, data = pgconn.get_copy_data(1)
+                if nbytes > 0:
+                    # Flush before appending, so the last message (the binary trailer)
+                    # is always in the final block.
+                    if size >= COPY_BLOCK_BYTES:
+                        with self._canceller.suspended():
+                            yield b"".join(parts), rows
+                        parts, size, rows = [], 0, 0
+                    parts.append(data)
+                    size += nbytes
+                    rows += 1
+                    continue
+                if nbytes == 0:  # libpq's buffer is empty: wait for the socket
+                    select.select([pgconn.socket], [], [])
+                    pgconn.consume_input()
+                    continue
+                break  # -1: the COPY is complete (-2, an error, is raised below)
+            if fmt == "binary" and parts:
+                rows -= 1  # the trailer message
+            _wait(pgconn)
+            _raise_result(pgconn, pgconn.get_result())
+            if parts:
+                with self._canceller.suspended():
+                    yield b"".join(parts), rows
+
+
+def _wait(pgconn: Any) -> None:
+    """Block (in select, which releases the GIL) until libpq has a whole result."""
+    pgconn.consume_input()
+    while pgconn.is_busy():
+        select.select([pgconn.socket], [], [])
+        pgconn.consume_input()
+
+
+def _raise_result(pgconn: Any, result: Any) -> None:
+    """Drain the remaining results; raise the psycopg error of a failed one."""
+    error = None
+    while result is not None:
+        if result.status == pq.ExecStatus.FATAL_ERROR and error is None:
+            state = result.error_field(pq.DiagnosticField.SQLSTATE)
+            cls = psycopg.errors.lookup(state.decode()) if state else psycopg.OperationalError
+            error = cls(result.error_message.decode(errors="replace").strip())
+        _wait(pgconn)
+        result = pgconn.get_result()
+    if error is not None:
+        raise error

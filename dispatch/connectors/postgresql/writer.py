@@ -1,0 +1,445 @@
+"""The `postgresql` sink: COPY into one transaction that ends with the sink-side fence."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from dispatch.connectors import incremental, sqlsafety
+from dispatch.connectors.base import (
+    Batch,
+    Column,
+    FenceRejected,
+    LeaseLost,
+    PermanentError,
+    TransferContext,
+    TransientError,
+    WriteResult,
+)
+from dispatch.connectors.postgresql.cancel import _Canceller
+from dispatch.connectors.postgresql.connect import (
+    _errors,
+    _secrets,
+    _set_timeouts,
+    _table_sql,
+    connect,
+    parse_table,
+)
+
+SINK_MODES = ("append", "replace", "upsert")
+
+
+class _Writer:
+    """One sink connection. The fence is raised in a short transaction of its own; the
+    data then goes in one transaction that ends with the guarded fence update."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        spec: dict[str, Any],
+        ctx: TransferContext,
+        columns: list[Column],
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.ctx = ctx
+        self._canceller = _Canceller(ctx, config, "sink")
+        self.source_columns = columns
+        self.secrets = _secrets(config)
+        self.mode = spec.get("mode", "append")
+        self.conn: psycopg.Connection[Any] | None = None
+        self.schema = ""
+        self.name = ""
+        self.already_committed = False
+        self.rows = 0
+        self._copy: Any = None
+        self._copy_cm: Any = None
+        self._copy_cursor: Any = None
+        self._copy_fmt: str | None = None
+        self._target_types: dict[str, str] = {}
+        self._convert: list[Callable[[Any], Any] | None] = []
+        # Incremental reads: the committed cursor this attempt read, and the one to commit.
+        self._cursor_read: incremental.CommittedCursor | None = None
+        self._cursor_new: tuple[tuple[str, ...], list[str] | None] | None = None
+        # After commit(): the cursor it committed (for the dispatch database's copy).
+        self.cursor_committed: incremental.CommittedCursor | None = None
+
+    # -- set-up --------------------------------------------------------------------------
+    def open(self) -> None:
+        self.conn = connect(self.config, what="sink connect")
+        self._canceller.attach(self.conn)
+        with _errors(self.secrets, "sink", self._canceller):
+            self._canceller.watch(_set_timeouts(self.conn, self.spec))
+            schema, self.name = parse_table(self.spec["table"])
+            current = self.conn.execute("SELECT pg_catalog.current_schema()").fetchone()
+            self.schema = schema or (current[0] if current else "public")
+            self.conn.commit()
+            self._raise_fence()
+            if self.already_committed:
+                return
+            self._prepare()
+
+    @property
+    def _fence_table(self) -> sql.Composed:
+        return _table_sql(self.schema, "dispatch_fence")
+
+    def _raise_fence(self) -> None:
+        """Raise the run's fence to this attempt's token, in a short transaction of its own
+        (contract section 4). It is never held during the bulk copy."""
+        assert self.conn is not None
+        fence = self.ctx.fence
+        conn = self.conn
+        sqlsafety.create_once(
+            conn,
+            "dispatch_fence",
+            self.schema,
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (run_id uuid PRIMARY KEY,"
+                " binding_id uuid, token bigint NOT NULL, attempt_id uuid,"
+                " committed_at timestamptz)"
+            ).format(self._fence_table),
+        )
+        # The committed cursors of incremental reads live beside the fence; made here, in
+        # a transaction of its own, so no data transaction ever holds its creation.
+        incremental.ensure_table(conn, self.schema)
+        with conn.transaction():
+            # ON CONFLICT DO UPDATE re-evaluates its WHERE on the newest committed version
+            # of the row (after waiting for a concurrent commit that holds it), so a commit
+            # that lands first is always seen: a committed fence is never raised again.
+            raised = conn.execute(
+                sql.SQL(
+                    "INSERT INTO {f} AS f (run_id, binding_id, token) VALUES (%s, %s, %s)"
+                    " ON CONFLICT (run_id) DO UPDATE SET token = EXCLUDED.token,"
+                    " binding_id = EXCLUDED.binding_id"
+                    " WHERE f.token <= EXCLUDED.token AND f.committed_at IS NULL"
+                    " RETURNING f.token"
+                ).format(f=self._fence_table),
+                [fence.run_id, fence.binding_id, fence.token],
+            ).fetchone()
+            if raised is not None:
+                return
+            token, committed_at = conn.execute(
+                sql.SQL("SELECT token, committed_at FROM {} WHERE run_id = %s").format(
+                    self._fence_table
+                ),
+                [fence.run_id],
+            ).fetchone()  # type: ignore[misc]
+        if committed_at is not None:
+            self.already_committed = True
+            return
+        raise FenceRejected(
+            f"sink fence of run {fence.run_id} is at token {token}, above this attempt's "
+            f"{fence.token}"
+        )
+
+    # -- the committed cursor of an incremental read (dispatch/connectors/incremental.py) --
+    def cursor_state(self, inc: incremental.IncrementalSpec) -> incremental.CommittedCursor:
+        """The binding's committed cursor, as this sink holds it (the truth). Read inside
+        the data transaction; `commit()` moves it with a compare-and-set on its version."""
+        assert self.conn is not None
+        if self.mode == "replace":
+            raise PermanentError(
+                "incremental reads need an append or upsert sink: replace would keep only "
+                "the latest increment"
+            )
+        if inc.lookback_seconds is not None and self.mode != "upsert":
+            raise PermanentError(
+                "incremental.lookback_seconds re-reads rows, so it needs an upsert sink"
+            )
+        with _errors(self.secrets, "sink cursor", self._canceller):
+            self._cursor_read = incremental.read_committed(
+                self.conn, self.schema, self.ctx.fence.binding_id
+            )
+        return self._cursor_read
+
+    def stage_cursor(self, columns: tuple[str, ...], cursor: list[str] | None) -> None:
+        """The cursor to commit with the rows (in the same transaction as the fence)."""
+        self._cursor_new = (columns, cursor)
+
+    def _target_columns(self) -> dict[str, tuple[str, int]] | None:
+        """The sink table's columns: name -> (exact type, type oid); None if missing."""
+        assert self.conn is not None
+        rows = self.conn.execute(
+            "SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod), a.atttypid::int,"
+            " c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0"
+            "  AND NOT a.attisdropped"
+            " WHERE n.nspname = %s AND c.relname = %s ORDER BY a.attnum",
+            [self.schema, self.name],
+        ).fetchall()
+        if not rows:
+            return None
+        if rows[0][3] not in ("r", "p"):
+            raise PermanentError(f"sink {self.schema}.{self.name} is not a table")
+        return {r[0]: (r[1], r[2]) for r in rows if r[0] is not None}
+
+    def _create_table(self, table: sql.Composed, key: list[str] | None) -> None:
+        assert self.conn is not None
+        conn = self.conn
+        # Type text comes from the source server: accepted only as one plain type name the
+        # sink resolves itself (see sqlsafety). Untyped columns (a CSV source) become text.
+        types = [
+            sqlsafety.check_type_name(conn, c.name, c.type) if c.type else "text"
+            for c in self.source_columns
+        ]
+        conn.execute(
+            sql.SQL("CREATE TABLE {} ({}{})").format(
+                table,
+                sql.SQL(", ").join(
+                    sql.SQL("{} {}").format(sql.Identifier(c.name), sql.SQL(t))  # type: ignore[arg-type]
+                    for c, t in zip(self.source_columns, types, strict=True)
+                ),
+                sql.SQL(", PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, key)))
+                if key
+                else sql.SQL(""),
+            ),
+            # The extended protocol: one statement, never several.
+            binary=True,
+        )
+
+    def _prepare(self) -> None:
+        """Begin the data transaction: create the table if asked, lock and clear for
+        replace, stage for upsert."""
+        assert self.conn is not None
+        conn = self.conn
+        table = _table_sql(self.schema, self.name)
+        names = [c.name for c in self.source_columns]
+        target = self._target_columns()
+        if target is None:
+            if not self.spec.get("create"):
+                raise PermanentError(
+                    f"sink table {self.schema}.{self.name} does not exist (set create: true "
+                    "to create it)"
+                )
+            if not self.source_columns:
+                raise PermanentError("cannot create the sink table: the source has no columns")
+            key = self.spec.get("key") if self.mode == "upsert" else None
+            # Inside the data transaction: a failed load leaves no half-made table behind.
+            # Two first runs may create it at once: the second waits on a transaction lock
+            # for this table name until the first commits (or rolls back), then looks
+            # again. A creator that does not take the lock makes the loser's CREATE fail
+            # (duplicate table, duplicate type or a unique violation on the catalog) in a
+            # savepoint; the loser then uses the winner's table.
+            conn.execute(
+                "SELECT pg_catalog.pg_advisory_xact_lock("
+                "pg_catalog.hashtext(%s), pg_catalog.hashtext(%s))",
+                [self.schema, self.name],
+            )
+            target = self._target_columns()
+            if target is None:
+                try:
+                    with conn.transaction():
+                        self._create_table(table, key)
+                except (
+                    psycopg.errors.UniqueViolation,
+                    psycopg.errors.DuplicateTable,
+                    psycopg.errors.DuplicateObject,
+                ):
+                    pass
+                target = self._target_columns()
+            assert target is not None
+        missing = [n for n in names if n not in target]
+        if missing:
+            raise PermanentError(
+                f"sink table {self.schema}.{self.name} has no column(s) {', '.join(missing)}"
+            )
+        if self.mode == "upsert":
+            absent = [k for k in self.spec["key"] if k not in names]
+            if absent:
+                raise PermanentError(f"key column(s) {', '.join(absent)} not in the source")
+        self._target_types = {n: target[n][0] for n in names}
+        # Values bound for json/jsonb columns are serialised here: psycopg would dump a
+        # Python list as a PostgreSQL array.
+        self._convert = [_json_text if target[n][0] in ("json", "jsonb") else None for n in names]
+        if self.mode == "replace":
+            # SHARE ROW EXCLUSIVE: other writers wait until we commit (so the table ends
+            # up holding exactly the source's rows), readers (ACCESS SHARE) never wait.
+            conn.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(table))
+            # DELETE, not TRUNCATE or a table swap: both of those are not MVCC-safe (a
+            # REPEATABLE READ reader whose snapshot predates our commit would see an empty
+            # table) and both take ACCESS EXCLUSIVE. Readers see the old rows until COMMIT.
+            conn.execute(sql.SQL("DELETE FROM {}").format(table))
+        elif self.mode == "upsert":
+            # The staging table has exactly the sink's column types; it vanishes at commit.
+            conn.execute(
+                sql.SQL(
+                    "CREATE TEMPORARY TABLE {} ON COMMIT DROP AS SELECT {} FROM {} WITH NO DATA"
+                ).format(
+                    sql.Identifier("dispatch_stage"),
+                    sql.SQL(", ").join(map(sql.Identifier, names)),
+                    table,
+                )
+            )
+
+    # -- copy ----------------------------------------------------------------------------
+    def copy_format(self, columns: list[Column]) -> str | None:
+        """The COPY format a PostgreSQL source should send: binary when every column has
+        the same exact type on both sides (binary data is type-specific), else text (the
+        sink parses it, so compatible types such as integer -> bigint work)."""
+        if self.already_committed:
+            return None
+        if all(c.type and self._target_types.get(c.name) == c.type for c in columns):
+            self._copy_fmt = "binary"
+        else:
+            self._copy_fmt = "text"
+        return self._copy_fmt
+
+    def _start_copy(self, fmt: str) -> Any:
+        assert self.conn is not None
+        if self._copy is not None:
+            return self._copy
+        target = (
+            sql.Identifier("dispatch_stage")
+            if self.mode == "upsert"
+            else _table_sql(self.schema, self.name)
+        )
+        stmt = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {})").format(
+            target,
+            sql.SQL(", ").join(sql.Identifier(c.name) for c in self.source_columns),
+            sql.SQL("BINARY" if fmt == "binary" else "TEXT"),
+        )
+        self._copy_cursor = self.conn.cursor()
+        self._copy_cm = self._copy_cursor.copy(stmt)
+        self._copy = self._copy_cm.__enter__()
+        self._copy_fmt = fmt
+        return self._copy
+
+    def write_copy(self, data: bytes, rows: int) -> int:
+        if self.already_committed:
+            return 0
+        with _errors(self.secrets, "sink write", self._canceller):
+            self._start_copy(self._copy_fmt or "text")
+            self._copy.write(data)
+        self.rows += rows
+        return rows
+
+    def write(self, batch: Batch) -> int:
+        if self.already_committed:
+            return 0
+        with _errors(self.secrets, "sink write", self._canceller):
+            # Text COPY: the server parses each value into the column's type, so rows from
+            # any source (strings from a CSV, Python values from a generator) fit.
+            copy = self._start_copy("text")
+            convert = self._convert if any(self._convert) else None
+            for row in batch:
+                if convert is not None:
+                    row = [f(v) if f else v for f, v in zip(convert, row, strict=False)]
+                copy.write_row(row)
+        self.rows += len(batch)
+        return len(batch)
+
+    def _end_copy(self) -> int | None:
+        if self._copy_cm is None:
+            return None
+        cm, self._copy_cm, self._copy = self._copy_cm, None, None
+        cm.__exit__(None, None, None)
+        count = self._copy_cursor.rowcount
+        return count if count is not None and count >= 0 else None
+
+    def commit(self) -> WriteResult:
+        if self.already_committed:
+            return WriteResult(rows_written=0, already_committed=True)
+        assert self.conn is not None
+        conn = self.conn
+        fence = self.ctx.fence
+        with _errors(self.secrets, "sink commit", self._canceller):
+            copied = self._end_copy()
+            if copied is not None:
+                self.rows = copied  # the server's own count ("COPY n")
+            if self.mode == "upsert" and self.rows:
+                self._merge()
+            if self._cursor_new is not None and self._cursor_read is not None:
+                try:
+                    self.cursor_committed = incremental.commit_cursor(
+                        conn,
+                        self.schema,
+                        binding_id=fence.binding_id,
+                        read=self._cursor_read,
+                        columns=self._cursor_new[0],
+                        cursor=self._cursor_new[1],
+                        run_id=fence.run_id,
+                        attempt_id=fence.attempt_id,
+                    )
+                except TransientError:
+                    conn.rollback()
+                    raise
+            # The fence, last: row-locked only from here to COMMIT (milliseconds). A newer
+            # attempt that raised the token, or a commit that beat us, leaves no row.
+            updated = conn.execute(
+                sql.SQL(
+                    "UPDATE {} SET attempt_id = %s, committed_at = now()"
+                    " WHERE run_id = %s AND token = %s AND committed_at IS NULL"
+                ).format(self._fence_table),
+                [fence.attempt_id, fence.run_id, fence.token],
+            ).rowcount
+            if updated != 1:
+                conn.rollback()
+                raise FenceRejected(
+                    f"sink fence of run {fence.run_id} no longer at token {fence.token}: "
+                    "a newer attempt started or the run's data is already committed"
+                )
+            # The fence stops a *newer* attempt's rival; an attempt that recovery or an
+            # operator ended without a successor (FAILED, CANCELLED) raises no fence. So,
+            # holding the fence row, re-check that the attempt is still ours (status +
+            # token, and a heartbeat within the lease by our own clock) just before
+            # COMMIT. What is left is the milliseconds between this check and COMMIT.
+            try:
+                fence.check()
+            except LeaseLost as exc:
+                conn.rollback()
+                raise FenceRejected(f"attempt no longer this worker's at commit: {exc}") from None
+            conn.commit()
+        return WriteResult(rows_written=self.rows)
+
+    def _merge(self) -> None:
+        assert self.conn is not None
+        names = [c.name for c in self.source_columns]
+        key = list(self.spec["key"])
+        others = [n for n in names if n not in key]
+        action = (
+            sql.SQL("DO UPDATE SET {}").format(
+                sql.SQL(", ").join(
+                    sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(n), sql.Identifier(n))
+                    for n in others
+                )
+            )
+            if others
+            else sql.SQL("DO NOTHING")
+        )
+        cols = sql.SQL(", ").join(map(sql.Identifier, names))
+        try:
+            self.conn.execute(
+                sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} ON CONFLICT ({}) {}").format(
+                    _table_sql(self.schema, self.name),
+                    cols,
+                    cols,
+                    sql.Identifier("dispatch_stage"),
+                    sql.SQL(", ").join(map(sql.Identifier, key)),
+                    action,
+                )
+            )
+        except psycopg.errors.CardinalityViolation:
+            raise PermanentError(
+                f"upsert: the source holds the same key ({', '.join(key)}) more than once"
+            ) from None
+        except psycopg.errors.InvalidColumnReference:
+            raise PermanentError(
+                f"upsert: {self.schema}.{self.name} has no unique index or constraint on "
+                f"({', '.join(key)})"
+            ) from None
+
+    def close(self) -> None:
+        if self.conn is None:
+            return
+        conn, self.conn = self.conn, None
+        self._canceller.close(conn)
+
+
+def _json_text(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value)
