@@ -9,6 +9,7 @@ Wake-ups are sent after the commit. A refusal raises `ActionRefused` with a stab
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Sequence
@@ -434,9 +435,7 @@ def set_binding_cursor(binding: JobBinding, cursor: list[str] | None, *, by: Any
         )
     except ConnectorError as exc:
         raise ActionRefused("SINK_FAILED", f"sink: {exc}") from None
-    from dispatch.worker import claims
-
-    claims.record_cursor_copy(binding.pk, committed, changed_by=_who(by) or "operator")
+    record_cursor_copy(binding.pk, committed, changed_by=_who(by) or "operator")
     log.info(
         "binding cursor %s binding=%s version=%s by=%s",
         "reset" if cursor is None else "set",
@@ -445,3 +444,28 @@ def set_binding_cursor(binding: JobBinding, cursor: list[str] | None, *, by: Any
         _who(by) or "operator",
     )
     return committed
+
+
+def record_cursor_copy(
+    binding_id: uuid.UUID,
+    committed: Any,
+    *,
+    changed_by: str = "",
+) -> bool:
+    """Copy a binding's committed cursor (an `incremental.CommittedCursor`, as the sink
+    holds it) for the console; only a newer version than the copy's moves it."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            sqlfiles.query("record_cursor_copy"),
+            {
+                "binding": binding_id,
+                "columns": None if committed.columns is None else json.dumps(committed.columns),
+                "cursor": None if committed.cursor is None else json.dumps(committed.cursor),
+                "version": committed.version,
+                "run": committed.run_id,
+                "attempt": committed.attempt_id,
+                "changed_by": changed_by,
+                "committed_at": committed.committed_at,
+            },
+        )
+        return cursor.rowcount == 1

@@ -113,31 +113,6 @@ def record_cursor(
 
 
 @_bounded
-def record_cursor_copy(
-    binding_id: uuid.UUID,
-    committed: Any,
-    *,
-    changed_by: str = "",
-) -> bool:
-    """Copy a binding's committed cursor (an `incremental.CommittedCursor`, as the sink
-    holds it) for the console; only a newer version than the copy's moves it."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            query("record_cursor_copy"),
-            {
-                "binding": binding_id,
-                "columns": None if committed.columns is None else json.dumps(committed.columns),
-                "cursor": None if committed.cursor is None else json.dumps(committed.cursor),
-                "version": committed.version,
-                "run": committed.run_id,
-                "attempt": committed.attempt_id,
-                "changed_by": changed_by,
-                "committed_at": committed.committed_at,
-            },
-        )
-        return cursor.rowcount == 1
-
-
 @_bounded
 def settle(
     attempt_id: uuid.UUID,

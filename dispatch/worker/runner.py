@@ -450,7 +450,7 @@ class Runner:
 
     def _copy_cursor(self, committed: incremental.CommittedCursor) -> None:
         try:
-            claims.record_cursor_copy(
+            services.record_cursor_copy(
                 self.claimed.binding_id,
                 committed,
                 changed_by=f"run {committed.run_id}" if committed.run_id else "",
