@@ -21,7 +21,7 @@ import pytest
 from django.db import connection
 from psycopg import sql
 
-from tests.conftest import test_database_url
+from tests.support.processes import test_database_url
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "7tLtvrDaR4N3B7yWAnMGz7CVGRHhKK0mFmGiZ1cxjbs="

@@ -17,8 +17,8 @@ from django.db import connection
 from dispatch.connectors.base import TransientError
 from dispatch.connectors.postgresql import PostgreSQLConnector as PG
 from dispatch.connectors.postgresql.cancel import _Canceller
-from tests.conftest import wait_until
 from tests.support.connectors import Ctx, ScratchDB, run_transfer, scratch_db
+from tests.support.processes import wait_until
 from tools.blackhole import BlackholeProxy
 
 pytestmark = pytest.mark.django_db

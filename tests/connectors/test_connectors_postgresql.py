@@ -17,7 +17,6 @@ from dispatch.connectors.postgresql import PostgreSQLConnector as PG
 from dispatch.connectors.postgresql import parse_table
 from dispatch.models import Attempt, Datasource
 from dispatch.states import Reason, Status
-from tests.conftest import Processes, wait_until
 from tests.support import factories
 from tests.support.connectors import (
     Ctx,
@@ -26,6 +25,7 @@ from tests.support.connectors import (
     run_transfer,
     scratch_db,
 )
+from tests.support.processes import Processes, wait_until
 
 
 @pytest.fixture

@@ -18,9 +18,9 @@ import pytest
 
 from dispatch.models import Attempt, BindingCursor, Datasource, Run
 from dispatch.states import Reason, Status
-from tests.conftest import Processes, test_database_url, wait_until
 from tests.support import factories
 from tests.support.connectors import ScratchDB, connect, scratch_db
+from tests.support.processes import Processes, test_database_url, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

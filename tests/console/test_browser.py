@@ -21,9 +21,9 @@ from dispatch import services
 from dispatch.models import Attempt, Datasource, Job, JobBinding, Run
 from dispatch.states import Reason, Status
 from dispatch.worker import claims
-from tests.conftest import ROOT, Processes, wait_until
 from tests.console.test_admin import PASSWORD, vault_kind  # noqa: F401 - fixture
 from tests.support.factories import DatasourceFactory, SinkFactory
+from tests.support.processes import ROOT, Processes, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.browser, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ from django.test import override_settings
 from psycopg import sql
 
 from dispatch import checks
-from tests.conftest import test_database_url, worker_env
+from tests.support.processes import test_database_url, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "7tLtvrDaR4N3B7yWAnMGz7CVGRHhKK0mFmGiZ1cxjbs="

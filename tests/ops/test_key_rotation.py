@@ -12,8 +12,8 @@ from cryptography.fernet import Fernet, InvalidToken
 from dispatch import conf
 from dispatch.models import Attempt, Datasource, Run
 from dispatch.states import Status
-from tests.conftest import Processes, wait_until, worker_env
 from tests.support.factories import BindingFactory, JobFactory, trigger
+from tests.support.processes import Processes, wait_until, worker_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

@@ -140,8 +140,8 @@ def test_metrics__two_folds_at_once_take_turns_and_count_nothing_twice():
 
     from dispatch.models.ops import BindingMetrics, OpsState
     from dispatch.ops import binding_metrics
-    from tests.conftest import wait_until
     from tests.support.helpers import in_threads, raw_connection
+    from tests.support.processes import wait_until
 
     with override_settings(DISPATCH_HEALTH_SCAN_LAG=0.0):
         b = BindingFactory(name="b-twice")

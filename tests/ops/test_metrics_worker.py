@@ -13,9 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dispatch.models import Run
 from dispatch.states import Status
-from tests.conftest import Processes, wait_until
 from tests.ops.test_metrics import samples
 from tests.support.factories import BindingFactory, trigger
+from tests.support.processes import Processes, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

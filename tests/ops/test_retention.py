@@ -21,9 +21,9 @@ from dispatch.ops import retention
 from dispatch.states import Status
 from dispatch.worker import claims
 from scheduling.models import db_now
-from tests.conftest import Processes, wait_until, worker_env
 from tests.support.factories import BindingFactory, trigger
 from tests.support.helpers import raw_connection
+from tests.support.processes import Processes, wait_until, worker_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -20,8 +20,8 @@ from dispatch.models import Run
 from dispatch.states import Status, Trigger
 from scheduling import conf
 from scheduling.models import OverlapPolicy, Schedule, db_now
-from tests.conftest import ROOT, Processes, wait_until, worker_env
 from tests.support.factories import BindingFactory
+from tests.support.processes import ROOT, Processes, wait_until, worker_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

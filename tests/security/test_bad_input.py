@@ -28,7 +28,6 @@ from dispatch.models import Attempt, Datasource, Job, JobBinding, Run
 from dispatch.states import Origin, Reason, Status
 from dispatch.worker import claims
 from dispatch.worker.runner import ExecutionControl, Runner
-from tests.conftest import Processes, wait_until, worker_env
 from tests.support.factories import (
     BindingFactory,
     DatasourceFactory,
@@ -36,6 +35,7 @@ from tests.support.factories import (
     SinkFactory,
     trigger,
 )
+from tests.support.processes import Processes, wait_until, worker_env
 
 HYPOTHESIS = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

@@ -14,8 +14,8 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
-from tests.conftest import ROOT, test_database_url
 from tests.support.factories import DatasourceFactory
+from tests.support.processes import ROOT, test_database_url
 
 
 def check_deploy(**env: str) -> str:

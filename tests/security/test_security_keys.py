@@ -13,8 +13,8 @@ from django.test import override_settings
 from dispatch import checks
 from dispatch.models import Attempt, Worker
 from dispatch.states import Origin, Reason, Status
-from tests.conftest import ROOT, Processes, wait_until, worker_env
 from tests.support.factories import BindingFactory, DatasourceFactory, trigger
+from tests.support.processes import ROOT, Processes, wait_until, worker_env
 
 WRONG_KEY = Fernet.generate_key().decode()
 

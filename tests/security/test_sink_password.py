@@ -16,9 +16,9 @@ from dispatch.states import Reason, Status
 from dispatch.worker import claims
 from dispatch.worker.runner import ExecutionControl, Runner
 from project.embedded_pg import EmbeddedPostgres
-from tests.conftest import ROOT
 from tests.support.factories import BindingFactory, DatasourceFactory, trigger
 from tests.support.helpers import attempts_of
+from tests.support.processes import ROOT
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

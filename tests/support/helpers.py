@@ -14,7 +14,7 @@ from django.db.models.functions import Now
 
 from dispatch.models import Attempt, Run
 from dispatch.worker import claims
-from tests.conftest import test_database_url
+from tests.support.processes import test_database_url
 
 
 def expire(attempt: Attempt | Any, seconds_ago: float = 1.0) -> None:

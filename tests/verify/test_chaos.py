@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support.processes import ROOT
 from tools.chaos import FAULT_KINDS
 
 pytestmark = pytest.mark.slow

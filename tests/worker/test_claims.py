@@ -14,9 +14,9 @@ from dispatch.models import Attempt, Datasource, JobBinding, Run
 from dispatch.security import crypto
 from dispatch.states import BlockedReason, Status
 from dispatch.worker import claims
-from tests.conftest import ROOT, worker_env
 from tests.support.factories import BindingFactory, DatasourceFactory, SinkFactory, trigger
 from tests.support.helpers import attempts_of, claim_one, in_threads, raw_connection
+from tests.support.processes import ROOT, worker_env
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -248,7 +248,7 @@ def test_claim__two_processes_race_the_directed_claim_exactly_one_wins():
             for i in range(2)
         ]
         # Both probes are connected and waiting at the gate before it opens.
-        from tests.conftest import wait_until
+        from tests.support.processes import wait_until
 
         wait_until(
             lambda: (

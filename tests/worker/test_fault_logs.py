@@ -14,9 +14,9 @@ from dispatch.connectors.builtin import GenerateConnector
 from dispatch.models import Attempt
 from dispatch.states import Reason, Status
 from dispatch.worker.runner import ExecutionControl, Runner, StopCause
-from tests.conftest import wait_until
 from tests.support.factories import BindingFactory, trigger
 from tests.support.helpers import claim_one
+from tests.support.processes import wait_until
 
 TEXT = "xyzzy-not-for-the-log"
 

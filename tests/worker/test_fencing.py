@@ -15,7 +15,6 @@ from dispatch.connectors.builtin import GenerateConnector
 from dispatch.connectors.postgresql import PostgreSQLConnector as PG
 from dispatch.models import Attempt, Datasource
 from dispatch.states import Reason, Status
-from tests.conftest import Processes, test_database_url, wait_until
 from tests.support import factories
 from tests.support.connectors import (
     Ctx,
@@ -24,6 +23,7 @@ from tests.support.connectors import (
     run_transfer,
     scratch_db,
 )
+from tests.support.processes import Processes, test_database_url, wait_until
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from django.db.models import Max, Min
 from dispatch.models import Attempt, Run, Worker
 from dispatch.states import Status
 from dispatch.worker.coordinator import WorkerDispatchCoordinator
-from tests.conftest import Processes, wait_until, worker_env
 from tests.support.factories import BindingFactory, trigger
+from tests.support.processes import Processes, wait_until, worker_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

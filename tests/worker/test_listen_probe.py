@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dispatch.models import Worker
 from dispatch.worker.listen import ListenProbe, ListenState, ProbeAction, ProbeReport, probe_report
-from tests.conftest import ROOT, Processes, test_database_url, wait_until, worker_env
+from tests.support.processes import ROOT, Processes, test_database_url, wait_until, worker_env
 from tests.worker.test_partition import proxied_url
 from tests.worker.test_worker import start_worker
 from tools.blackhole import BlackholeProxy

@@ -16,9 +16,9 @@ from django.db.models.functions import Now
 
 from dispatch.models import Attempt, Run, Worker
 from dispatch.states import Reason, Status
-from tests.conftest import Processes, wait_until, worker_env
 from tests.support.factories import BindingFactory, trigger
 from tests.support.helpers import attempts_of
+from tests.support.processes import Processes, wait_until, worker_env
 from tests.worker.test_worker import finished, slow_spec, start_worker
 from tools.blackhole import BlackholeProxy
 

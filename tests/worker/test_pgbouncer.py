@@ -24,8 +24,8 @@ from django.db import connection
 from dispatch.models import Attempt, Worker
 from dispatch.states import Status
 from dispatch.worker.listen import probe_report
-from tests.conftest import Processes, test_database_url, wait_until
 from tests.support.factories import BindingFactory, trigger
+from tests.support.processes import Processes, test_database_url, wait_until
 from tests.worker import test_fencing, test_worker
 from tests.worker.test_fencing import dst_db  # noqa: F401 - fixture
 from tests.worker.test_worker import finished, start_worker

@@ -16,9 +16,9 @@ from dispatch.models import Attempt, Run
 from dispatch.services import ActionRefused, Outcome
 from dispatch.states import BlockedReason, Origin, Reason, Status, Trigger
 from dispatch.worker import claims
-from tests.conftest import test_database_url, wait_until
 from tests.support.factories import BindingFactory, trigger
 from tests.support.helpers import attempts_of, claim_one, in_threads, raw_connection
+from tests.support.processes import test_database_url, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -18,9 +18,9 @@ from dispatch import services
 from dispatch.models import Attempt, Datasource, Run
 from dispatch.states import Reason, Status
 from dispatch.worker.runner import ExecutionControl, StopCause
-from tests.conftest import Processes, wait_until
 from tests.support import factories
 from tests.support.connectors import ScratchDB, connect, scratch_db
+from tests.support.processes import Processes, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

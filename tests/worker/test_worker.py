@@ -13,9 +13,9 @@ from django.test import override_settings
 from dispatch import services
 from dispatch.models import Attempt, JobBinding, Run, Worker
 from dispatch.states import BlockedReason, Origin, Reason, Status
-from tests.conftest import Processes, test_database_url, wait_until, worker_env
 from tests.support.factories import BindingFactory, trigger
 from tests.support.helpers import attempts_of
+from tests.support.processes import Processes, test_database_url, wait_until, worker_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
