@@ -40,14 +40,21 @@ FUNCTION_FILES = (
 )
 
 
+_SNAPSHOT_HEADER = """\
+-- A frozen snapshot of dispatch/sql/functions/ (docs/sql.md): installed by a migration,
+-- never edited. A change to a function is a new snapshot and a new migration.
+"""
+
+
 def snapshot() -> str:
     """The current functions as one script: every file of `sql/functions/`, in
     `FUNCTION_FILES` order, each under a header naming it. Frozen into
     `sql/migrations/` by hand when a function changes (docs/sql.md)."""
-    return "\n".join(
+    files = "\n".join(
         f"-- sql/functions/{name}\n\n{(FUNCTIONS_DIR / name).read_text()}"
         for name in FUNCTION_FILES
     )
+    return f"{_SNAPSHOT_HEADER}\n{files}"
 
 
 def migration_file(name: str) -> str:
