@@ -23,6 +23,10 @@ from django.db.migrations.loader import MigrationLoader
 from dispatch import sqlfiles
 from tests.support.connectors import connect, drop_database, recreate_database
 
+# The test database is set up (the scratch databases are named after it); the tests run on
+# the scratch databases.
+pytestmark = pytest.mark.django_db
+
 SQUASH = "0001_squashed_0020_sql_functions_by_concern"
 LAST_OF_THE_OLD_CHAIN = "0019_binding_metrics_and_webhook"
 
@@ -90,8 +94,6 @@ BEGIN
 END
 $$
 """
-pytestmark = pytest.mark.django_db  # the scratch databases are named after the test database
-
 PARTS = {
     "relations": RELATIONS,
     "columns": COLUMNS,
