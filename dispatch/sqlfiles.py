@@ -1,8 +1,13 @@
-"""Load the SQL that carries dispatch's concurrency.
+"""Load the SQL that carries dispatch's concurrency (docs/sql.md).
 
-`dispatch/sql/functions/*.sql` are versioned PL/pgSQL functions installed by
-migrations (`install`); `dispatch/sql/queries.sql` holds named statements, each under a
-`-- name: NAME` header, fetched with `query(NAME)`.
+- `sql/functions/<concern>.sql`: the current PL/pgSQL functions and triggers, one file
+  per concern. Never installed from here: `snapshot()` concatenates them in
+  `FUNCTION_FILES` order, and that text is frozen as a new file of `sql/migrations/`.
+- `sql/migrations/NNNN_*.sql`: frozen snapshots, named after the migration that first
+  installs each, never edited (a test holds their checksums); migrations install them
+  with `install(name)`, so a fresh `migrate` installs what every database got.
+- `sql/queries.sql`, `sql/ops.sql`: named statements, each under a `-- name: NAME`
+  header, fetched with `query(NAME)` and `ops_query(NAME)`.
 """
 
 from __future__ import annotations
@@ -13,18 +18,57 @@ from pathlib import Path
 from typing import Any
 
 SQL_DIR = Path(__file__).resolve().parent / "sql"
+FUNCTIONS_DIR = SQL_DIR / "functions"
+MIGRATIONS_DIR = SQL_DIR / "migrations"
 _NAME = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
 
+# The order in which the files are executed: helpers before their callers (a LANGUAGE sql
+# function is checked against what exists when it is created), the claim's row type
+# before the functions that return it, and the triggers last (CREATE TRIGGER needs its
+# function).
+FUNCTION_FILES = (
+    "binding.sql",
+    "capacity.sql",
+    "marks.sql",
+    "claim.sql",
+    "settle.sql",
+    "recover.sql",
+    "heartbeat.sql",
+    "queue.sql",
+    "trigger.sql",
+    "triggers.sql",
+)
 
-def function_file(name: str) -> str:
-    return (SQL_DIR / "functions" / name).read_text()
+
+_SNAPSHOT_HEADER = """\
+-- A frozen snapshot of dispatch/sql/functions/ (docs/sql.md): installed by a migration,
+-- never edited. A change to a function is a new snapshot and a new migration.
+"""
+
+
+def snapshot() -> str:
+    """The current functions as one script: every file of `sql/functions/`, in
+    `FUNCTION_FILES` order, each under a header naming it. Frozen into
+    `sql/migrations/` by hand when a function changes (docs/sql.md)."""
+    files = "\n".join(
+        f"-- sql/functions/{name}\n\n{(FUNCTIONS_DIR / name).read_text()}"
+        for name in FUNCTION_FILES
+    )
+    return f"{_SNAPSHOT_HEADER}\n{files}"
+
+
+def migration_file(name: str) -> str:
+    """A frozen snapshot of `sql/migrations/`."""
+    return (MIGRATIONS_DIR / name).read_text()
 
 
 def install(name: str) -> Any:
-    """A `RunSQL` operation that installs one functions file (for migrations)."""
+    """A `RunSQL` operation that installs one frozen snapshot of `sql/migrations/` (for
+    migrations). Not reversible: functions of a later snapshot replace those of an
+    earlier one in place, so there is nothing to restore."""
     from django.db import migrations
 
-    return migrations.RunSQL(function_file(name), reverse_sql=migrations.RunSQL.noop)
+    return migrations.RunSQL(migration_file(name), reverse_sql=migrations.RunSQL.noop)
 
 
 class NamedQueries:

@@ -15,11 +15,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_sql_function_file_is_installed_by_a_migration():
-    migrations = "\n".join(p.read_text() for p in (ROOT / "dispatch" / "migrations").glob("0*.py"))
-    files = sorted(p.name for p in (sqlfiles.SQL_DIR / "functions").glob("*.sql"))
-    assert files, "no SQL function files found"
-    for name in files:
-        assert f'install("{name}")' in migrations, f"{name} has no migration"
+    """Every file of `sql/functions/` is in the latest frozen snapshot, as it is now (a
+    changed function needs a new snapshot and migration: docs/sql.md), and every frozen
+    snapshot is installed by a migration."""
+    installs = {
+        path.name: re.findall(r'install\("([^"]+)"\)', path.read_text())
+        for path in (ROOT / "dispatch" / "migrations").glob("0*.py")
+    }
+    installed = {name for names in installs.values() for name in names}
+    snapshots = {p.name for p in sqlfiles.MIGRATIONS_DIR.glob("*.sql")}
+    assert installed == snapshots, "a snapshot without a migration, or an install of nothing"
+
+    functions = {p.name for p in sqlfiles.FUNCTIONS_DIR.glob("*.sql")}
+    assert functions and functions == set(sqlfiles.FUNCTION_FILES)
+    latest_migration = max(name for name, names in installs.items() if names)
+    latest = installs[latest_migration][-1]
+    assert sqlfiles.snapshot() == sqlfiles.migration_file(latest), (
+        f"sql/functions/ differs from {latest}: freeze it as a new snapshot "
+        "installed by a new migration"
+    )
 
 
 @pytest.mark.django_db

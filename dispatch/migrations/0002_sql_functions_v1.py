@@ -12,5 +12,5 @@ class Migration(migrations.Migration):
             "CREATE SEQUENCE IF NOT EXISTS dispatch_lease_token_seq AS bigint",
             reverse_sql="DROP SEQUENCE IF EXISTS dispatch_lease_token_seq",
         ),
-        install("dispatch_v1.sql"),
+        install("0002_dispatch_v1.sql"),
     ]

@@ -10,4 +10,4 @@ class Migration(migrations.Migration):
 
     dependencies = [("dispatch", "0002_sql_functions_v1")]
 
-    operations = [install("dispatch_v1.sql")]
+    operations = [install("0002_dispatch_v1.sql")]

@@ -17,5 +17,5 @@ class Migration(migrations.Migration):
             index=models.Index(condition=models.Q(('status', 'RUNNING')), fields=['binding'], name='dispatch_run_running_idx'),
         ),
         # The capacity count now uses the index above; plan_cache_mode on the claim.
-        install("dispatch_v1.sql"),
+        install("0002_dispatch_v1.sql"),
     ]

@@ -11,4 +11,4 @@ class Migration(migrations.Migration):
         ("dispatch", "0009_job_source_query_permission"),
     ]
 
-    operations = [install("dispatch_v2.sql")]
+    operations = [install("0010_dispatch_v2.sql")]

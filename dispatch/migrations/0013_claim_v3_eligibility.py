@@ -38,7 +38,7 @@ class Migration(migrations.Migration):
             ALTER TABLE dispatch_attempt DROP COLUMN IF EXISTS binding_id;
             """,
         ),
-        install("dispatch_v3.sql"),
+        install("0013_dispatch_v3.sql"),
         migrations.RunSQL(
             "SELECT dispatch_mark_binding_v3(id) FROM dispatch_jobbinding ORDER BY id",
             reverse_sql=migrations.RunSQL.noop,

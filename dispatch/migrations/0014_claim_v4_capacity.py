@@ -24,7 +24,7 @@ class Migration(migrations.Migration):
             """,
             reverse_sql="DROP INDEX IF EXISTS dispatch_attempt_ready_idx;",
         ),
-        install("dispatch_v4.sql"),
+        install("0014_dispatch_v4.sql"),
         migrations.RunSQL(
             "SELECT dispatch_hold_capacity_v4(id) FROM dispatch_jobbinding ORDER BY id",
             reverse_sql=migrations.RunSQL.noop,

@@ -14,4 +14,4 @@ class Migration(migrations.Migration):
         ("dispatch", "0014_claim_v4_capacity"),
     ]
 
-    operations = [install("dispatch_v4.sql")]
+    operations = [install("0014_dispatch_v4.sql")]

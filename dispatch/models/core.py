@@ -408,7 +408,7 @@ class Run(models.Model):
             # Runs of one binding (admin filter; the claim's capacity count joins through it).
             models.Index(fields=["binding", "-created_at"], name="dispatch_run_binding_idx"),
             # The claim's capacity count: RUNNING runs of one binding
-            # (dispatch_binding_running_v1).
+            # (dispatch_claim_v5, dispatch_binding_state).
             models.Index(
                 fields=["binding"],
                 condition=Q(status=Status.RUNNING),
@@ -536,15 +536,16 @@ class Attempt(models.Model):
             ),
         ]
         indexes = [
-            # The claim: oldest due PENDING attempts (dispatch_claim_v1) and the worker's
-            # timer for the earliest future available_at.
+            # The worker's timer for the earliest future available_at (the
+            # next_available_in statement) and the metrics' due attempts. The claim walks
+            # dispatch_attempt_ready_idx (sql/functions/claim.sql).
             models.Index(
                 fields=["available_at", "id"],
                 condition=Q(status=Status.PENDING),
                 name="dispatch_attempt_pending_idx",
             ),
-            # Recovery (dispatch_recover_v1: lease_until <= now()) and the capacity count
-            # of the claim (RUNNING attempts of a binding).
+            # Recovery (dispatch_recover_v2: lease_until <= clock_timestamp()) and the
+            # worker's look at the queue (dispatch_queue_view_v4: the earliest expiry).
             models.Index(
                 fields=["lease_until"],
                 condition=Q(status=Status.RUNNING),

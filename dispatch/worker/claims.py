@@ -1,6 +1,7 @@
 """The worker's database calls: claim, settle, heartbeat, recovery. Each is one round
-trip to a versioned SQL function (see `dispatch/sql/functions/dispatch_v1.sql` for its
-lock and transaction contract), on the calling thread's own connection, in autocommit.
+trip to a versioned SQL function (see `dispatch/sql/functions/claim.sql`, `settle.sql`,
+`recover.sql` and `heartbeat.sql` for its lock and transaction contract), on the calling
+thread's own connection, in autocommit.
 """
 
 from __future__ import annotations
