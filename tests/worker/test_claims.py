@@ -311,7 +311,7 @@ def test_claim__work_unblocked_after_a_disable_runs_in_its_order():
     assert [c.run_id for c in claims.claim("w1", limit=10)] == first
 
 
-# --- capacity kept on the attempt row (dispatch_v4.sql) ------------------------------------
+# --- capacity kept on the attempt row (sql/functions/capacity.sql) ------------------------
 def marks(*runs: Run) -> list[str | None]:
     return [Attempt.objects.get(run=r, status=Status.PENDING).blocked_reason for r in runs]
 
@@ -454,5 +454,5 @@ def test_functions__every_one_that_turns_sorts_off_turns_jit_off_too():
             " WHERE proname LIKE 'dispatch\\_%%' AND 'enable_sort=off' = ANY (proconfig)"
         )
         rows = cursor.fetchall()
-    assert {name for name, _ in rows} >= {"dispatch_claim_v5", "dispatch_release_capacity_v5"}
+    assert {name for name, _ in rows} >= {"dispatch_claim_v5", "dispatch_release_capacity"}
     assert [name for name, config in rows if "jit=off" not in config] == []

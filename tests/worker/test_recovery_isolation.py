@@ -7,8 +7,7 @@ own transaction (rolled back at the end) and writes the bad values with a direct
 from __future__ import annotations
 
 import pytest
-from django.db import connection, transaction
-from django.db.utils import DataError
+from django.db import connection
 
 from dispatch.models import Attempt, Job, Run
 from dispatch.states import Reason, Status
@@ -37,12 +36,6 @@ def test_settle__an_overflowing_backoff_is_clamped_not_raised():
     run = trigger(BindingFactory(job__max_attempts=3))
     overflowing_backoff(run.binding.job)
     c = claim_one()
-    # Version 1, still installed for older workers, raises on this row.
-    with pytest.raises(DataError), transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT dispatch_settle_v1(%s, %s, 'ERROR', 'ERROR', 'x', NULL, NULL)",
-            [c.attempt_id, c.lease_token],
-        )
     assert (
         claims.settle(c.attempt_id, c.lease_token, "ERROR", reason=Reason.ERROR, error="x")
         == Status.RETRY_SCHEDULED
