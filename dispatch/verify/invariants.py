@@ -20,8 +20,9 @@ from typing import Any
 
 from django.db import connection
 
+from dispatch.models.ops import HealthState
 from dispatch.ops import retention
-from dispatch.states import TERMINAL_RUN_STATUSES, Origin, Reason, Status
+from dispatch.states import TERMINAL_RUN_STATUSES, BlockedReason, Origin, Reason, Status
 
 # Reasons that say the attempt's worker lost it (lease or release): such an attempt can
 # never be the one that SUCCEEDED.
@@ -84,6 +85,7 @@ class AttemptRow:
     created_at: datetime
     claimed_at: datetime | None
     finished_at: datetime | None
+    blocked_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,11 @@ class BindingRow:
     sink_kind: str
     sink_spec: dict[str, Any]
     source_id: uuid.UUID | None = None
+    enabled: bool = True
+    # The binding's health row (dispatch_bindinghealth), None when it has none yet.
+    health_state: str | None = None
+    health_reason: str = ""
+    name: str = ""
 
 
 @dataclass
@@ -181,7 +188,7 @@ def load(scope: Scope) -> State:
     run_ids = list(state.runs)
     for row in _rows(
         "SELECT id, run_id, number, origin, status, reason, worker_id, lease_token,"
-        "       lease_until, created_at, claimed_at, finished_at"
+        "       lease_until, created_at, claimed_at, finished_at, blocked_reason"
         "  FROM dispatch_attempt WHERE run_id = ANY(%(runs)s::uuid[])"
         " ORDER BY run_id, number",
         {"runs": run_ids},
@@ -190,14 +197,28 @@ def load(scope: Scope) -> State:
     binding_ids = list({r.binding_id for r in state.runs.values()})
     for row in _rows(
         "SELECT b.id, j.max_attempts, src.kind, j.source_spec, snk.id, snk.kind, j.sink_spec,"
-        "       src.id"
+        "       src.id, b.enabled, h.state, h.reason, b.name"
         "  FROM dispatch_jobbinding b JOIN dispatch_job j ON j.id = b.job_id"
         "  JOIN dispatch_datasource src ON src.id = b.source_id"
         "  JOIN dispatch_datasource snk ON snk.id = b.sink_id"
+        "  LEFT JOIN dispatch_bindinghealth h ON h.binding_id = b.id"
         " WHERE b.id = ANY(%(ids)s::uuid[])",
         {"ids": binding_ids},
     ):
-        b_id, max_attempts, source_kind, source_spec, sink_id, sink_kind, sink_spec, src = row
+        (
+            b_id,
+            max_attempts,
+            source_kind,
+            source_spec,
+            sink_id,
+            sink_kind,
+            sink_spec,
+            src,
+            enabled,
+            health_state,
+            health_reason,
+            name,
+        ) = row
         state.bindings[b_id] = BindingRow(
             b_id,
             max_attempts,
@@ -207,6 +228,10 @@ def load(scope: Scope) -> State:
             sink_kind,
             _json(sink_spec),
             src,
+            enabled,
+            health_state,
+            health_reason or "",
+            name,
         )
     return state
 
@@ -220,11 +245,32 @@ def check_expected_runs_exist(state: State) -> list[Violation]:
     ]
 
 
+def waits_behind_auto_disable(state: State, run: RunRow) -> bool:
+    """The run waits, as it should, behind a binding the product disabled itself: the
+    health scan moved the binding's health row to AUTO_DISABLED with a reason and disabled
+    the binding (dispatch.ops.alerts), and the run's latest attempt is PENDING and marked
+    BINDING_DISABLED, so no worker claims it until an operator enables the binding."""
+    binding = state.bindings.get(run.binding_id)
+    attempts = state.attempts_of(run.id)
+    return (
+        binding is not None
+        and not binding.enabled
+        and binding.health_state == HealthState.AUTO_DISABLED
+        and bool(binding.health_reason.strip())
+        and run.status == Status.PENDING
+        and bool(attempts)
+        and attempts[-1].status == Status.PENDING
+        and attempts[-1].blocked_reason == BlockedReason.BINDING_DISABLED
+    )
+
+
 def check_runs_terminal(state: State) -> list[Violation]:
-    """After quiescence every run is SUCCEEDED, FAILED or CANCELLED (none stuck)."""
+    """After quiescence every run is SUCCEEDED, FAILED or CANCELLED (none stuck), except
+    a run waiting behind a binding the product auto-disabled (`waits_behind_auto_disable`):
+    that is the product's promise, not a stuck run."""
     found = []
     for run in state.runs.values():
-        if run.status not in TERMINAL_RUN_STATUSES:
+        if run.status not in TERMINAL_RUN_STATUSES and not waits_behind_auto_disable(state, run):
             live = [a for a in state.attempts_of(run.id) if a.status in Status.values]
             last = live[-1] if live else None
             detail = (
@@ -816,6 +862,15 @@ def check_incremental(items: list[Any]) -> list[Violation]:
 def notes_for(state: State, sinks: list[SinkTable]) -> list[str]:
     """Facts worth reading that are not violations."""
     notes = []
+    waiting = Counter(
+        run.binding_id for run in state.runs.values() if waits_behind_auto_disable(state, run)
+    )
+    for binding_id, count in sorted(waiting.items(), key=lambda kv: str(kv[0])):
+        binding = state.bindings[binding_id]
+        notes.append(
+            f"{count} run(s) wait behind binding {binding.name or binding_id}, disabled by "
+            f"the health scan ({binding.health_reason})"
+        )
     for sink in sinks:
         if (
             sink.rows_per_run is None
@@ -877,6 +932,9 @@ def check(
         schedules=len(schedule_rows),
         **Counter(r.status.lower() for r in state.runs.values()),
     )
+    waiting = sum(1 for run in state.runs.values() if waits_behind_auto_disable(state, run))
+    if waiting:
+        report.counts["waiting_auto_disabled"] = waiting
     return report
 
 
