@@ -1,4 +1,4 @@
-"""Claim cost as the table grows: one `dispatch_claim_v1` call (limit 1, rolled back) with
+"""Claim cost as the table grows: one generic `dispatch_claim_v5` call (limit 1, rolled back) with
 1k, 100k and 1M pending attempts, and with 1M finished attempts beside 1k pending; each
 against the 1k case. The goal is flat: the candidate query must stay an index scan."""
 
@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
 
 from django.db import connections
 
 from bench import common
 
-CLAIM = "SELECT * FROM dispatch_claim_v1('bench-claim', NULL, 1)"
-VARIANT = CLAIM.replace("dispatch_claim_v1", common.VARIANT_CLAIM)
+# The worker's own claim (`dispatch/sql/queries.sql`, `claim`): no notified run, generic.
+CLAIM = "SELECT * FROM dispatch_claim_v5('bench-claim', NULL, 1, true)"
 
 
 def cases(quick: bool) -> dict[str, tuple[int, int]]:
@@ -96,60 +95,8 @@ def explain(server: str, case: str, claim: str = CLAIM) -> str:
     return plans[0] if plans else "\n\n".join(notes)
 
 
-def findings(args: Any, report: common.Report) -> None:
-    """Stock claim against the variant (`common.variant_claim_sql`), side by side: at 1k
-    pending, and at 1k pending beside RUNNING attempts (the capacity count's cost)."""
-    running = 500 if args.quick else 5000
-    name = "running"
-    common.drop_database(args.server, dbname(name))
-    common.ensure_database(args.server, dbname(name), template=common.DISPATCH_DB)
-    with common.connect(args.server, dbname(name)) as conn:
-        common.bulk_runs(conn, running, status="RUNNING")
-        common.bulk_runs(conn, 1000, offset=running)
-        # Room for every running attempt: the claim must not miss on capacity.
-        conn.execute("UPDATE dispatch_jobbinding SET max_concurrency = 1000000")
-        conn.execute("VACUUM ANALYZE")
-    big = "50k" if args.quick else "1M"
-    for case in ("1k", name, big):
-        with common.connect(args.server, dbname(case)) as conn:
-            common.install_variant(conn)
-            conn.execute("ANALYZE dispatch_run")
-    cases = {
-        f"{c} {kind}": (lambda c=c, q=q: sample(args.server, c, args.samples, q))
-        for c in ("1k", name)
-        for kind, q in (("stock", CLAIM), ("variant", VARIANT))
-    }
-    res = common.alternate(args.rounds, cases)
-    rows = []
-    for c, label in (("1k", "1k pending"), (name, f"1k pending + {running:,} RUNNING")):
-        stock, variant = res[f"{c} stock"], res[f"{c} variant"]
-        ratio = common.Spread([v / s for s, v in zip(stock, variant, strict=True)])
-        rows.append(
-            [label, common.Spread(stock).fmt(2), common.Spread(variant).fmt(2), ratio.fmt()]
-        )
-    report.add(
-        "**Finding: the claim re-plans its candidate query on every call, and its capacity "
-        "count scans every RUNNING attempt.** Measured with a renamed copy of "
-        "`dispatch_claim_v1` (`bench_claim_variant`, installed only in the scratch "
-        "databases) that (1) counts a binding's running runs through a partial index "
-        "`dispatch_run (binding_id) WHERE status = 'RUNNING'` instead of joining every "
-        "RUNNING attempt to its run, and (2) is declared with `SET plan_cache_mode = "
-        f"force_generic_plan`; {args.samples} claims per case per round, rolled back."
-    )
-    report.add(common.table(["case", "stock ms", "variant ms", "variant / stock"], rows))
-    plan = explain(args.server, big, VARIANT)
-    for case in ("1k", name, big):  # later runs reuse these databases: leave them stock
-        with common.connect(args.server, dbname(case)) as conn:
-            common.drop_variant_index(conn)
-    report.add(
-        f"The variant's candidate query with {big} pending (generic plan, still an index "
-        f"scan):\n\n```\n{plan}\n```"
-    )
-
-
 def main(argv: list[str]) -> int:
     p = common.parser(__doc__.splitlines()[0])
-    p.add_argument("--findings", action="store_true", help="also measure the claim variant")
     p.add_argument("--samples", type=common.positive, default=200)
     p.add_argument("--reload", action="store_true", help="rebuild the scratch databases")
     args = p.parse_args(argv)
@@ -190,7 +137,8 @@ def main(argv: list[str]) -> int:
     report.add(
         f"Each case is its own scratch database (`bench_claim_*`) with 20 bindings, loaded "
         f"with `INSERT ... SELECT generate_series` and `VACUUM ANALYZE`d; {args.samples} "
-        "claims per case per round, each `dispatch_claim_v1('...', NULL, 1)` in a transaction "
+        "claims per case per round, each `dispatch_claim_v5('...', NULL, 1, true)` (the "
+        "worker's generic claim) in a transaction "
         f"rolled back, timed as a client round trip; {args.rounds} alternated rounds."
     )
     report.add(
@@ -202,7 +150,5 @@ def main(argv: list[str]) -> int:
             f"The claim's candidate query with {label}, as run inside the function "
             f"(`auto_explain`, ANALYZE, BUFFERS):\n\n```\n{explain(args.server, case)}\n```"
         )
-    if args.findings:
-        findings(args, report)
     report.emit(doc=not args.no_doc)
     return 0

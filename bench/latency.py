@@ -20,27 +20,14 @@ def spacing(n: int, seed: int) -> list[float]:
     return [rnd.uniform(0.05, 0.10) for _ in range(n)]
 
 
-def dispatch_round(
-    args: Any, env: dict[str, str], seed: int, variant: str = "stock"
-) -> dict[str, Any]:
-    from bench.throughput import start_variant_workers
+def dispatch_round(args: Any, env: dict[str, str], seed: int) -> dict[str, Any]:
     from dispatch import services
     from dispatch.models import Worker
 
     with common.connect(args.server, common.DISPATCH_DB) as conn:
         common.reset_dispatch(conn)
         (binding,) = common.make_bindings(1, max_concurrency=4)
-        if variant == "stock":
-            common.drop_variant_index(conn)
-            procs = common.start_workers(
-                1, args.concurrency, env, burst=False, tag="latency-dispatch"
-            )
-        else:
-            # A recorded finding: the same worker with the claim variant (see throughput).
-            common.install_variant(conn)
-            procs = start_variant_workers(
-                1, args.concurrency, env, variant, burst=False, tag="latency-dispatch"
-            )
+        procs = common.start_workers(1, args.concurrency, env, burst=False, tag="latency-dispatch")
         try:
             # Idle and listening: its LISTEN connection heard its own probe.
             common.wait_for(
@@ -71,7 +58,6 @@ def dispatch_round(
             )
         ]
         stats = conn.execute("SELECT stats FROM dispatch_worker").fetchone()[0] or {}
-        common.drop_variant_index(conn)
     return {
         "ms": ms,
         "hits": int(stats.get("directed_hits", 0)),

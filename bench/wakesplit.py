@@ -72,7 +72,6 @@ def dispatch_round(args: Any, env: dict[str, str], seed: int) -> dict[str, list[
     with common.connect(args.server, common.DISPATCH_DB) as conn:
         common.reset_dispatch(conn)
         (binding,) = common.make_bindings(1, max_concurrency=4)
-        common.drop_variant_index(conn)
         argv = [sys.executable, "-m", "bench", "wakesplit", "--worker", str(trace)]
         argv += ["--worker-id", "wakesplit", "--concurrency", "1"]
         procs = [common.start(argv, env, "wakesplit-worker.log")]

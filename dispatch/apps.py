@@ -11,4 +11,4 @@ class DispatchConfig(AppConfig):
     def ready(self) -> None:
         # Registers the system checks; no database access here (migrate must work on an
         # empty database).
-        from dispatch import checks, site_checks  # noqa: F401
+        from dispatch import checks  # noqa: F401

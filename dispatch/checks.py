@@ -1,12 +1,39 @@
-"""System checks: a worker or site never starts without a usable encryption key."""
+"""Every system check of dispatch, and the table of their ids (`CHECK_IDS`; docs/settings.md
+lists the same, a test keeps the three in step).
+
+The site and every worker refuse to start without a usable encryption key; a host site is
+told when its database is not PostgreSQL (or too old), a connector path does not import,
+or (before a worker starts) the migrations are not applied.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from django.core.checks import Error, Warning, register
+from django.conf import settings
+from django.core.checks import Error, Tags, Warning, register
+from django.db import DatabaseError, connections
 
 from dispatch import conf
+
+# Every check id, with what it means. A check that is added gets its row here first.
+CHECK_IDS: dict[str, str] = {
+    "dispatch.E001": "DISPATCH_ENCRYPTION_KEYS is empty",
+    "dispatch.E002": "an entry of DISPATCH_ENCRYPTION_KEYS is not a valid Fernet key",
+    "dispatch.E003": "none of the keys decrypts the sampled stored datasource configs",
+    "dispatch.E004": "some sampled stored configs stay closed (a key still in use was dropped)",
+    "dispatch.E005": "an interval setting is not a number within its bounds",
+    "dispatch.E010": "a database the apps use is not PostgreSQL",
+    "dispatch.E011": "the PostgreSQL server is older than MIN_POSTGRES",
+    "dispatch.E012": "a DISPATCH_CONNECTORS entry does not import or is not a Connector",
+    "dispatch.E013": "the dispatch/scheduling migrations are not all applied (runworker refuses)",
+    "dispatch.E014": "DISPATCH_ALERT_WEBHOOKS or DISPATCH_ALERT_WEBHOOK_URL cannot be used",
+    "dispatch.W001": "DISPATCH_HEALTH_SCAN_LAG is shorter than DISPATCH_COORDINATION_TIMEOUT",
+}
+
+# Django 5.2 itself needs PostgreSQL 14; the SQL functions need nothing newer.
+MIN_POSTGRES = (14, 0)
+APPS = ("dispatch", "scheduling")
 
 
 @register()
@@ -91,8 +118,6 @@ def check_time_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
     """dispatch.E005: an interval setting that is not a number within its bounds."""
     import math
 
-    from django.conf import settings
-
     errors = []
     for name, low, high, default in TIME_SETTINGS:
         value = getattr(settings, name, default)
@@ -136,8 +161,6 @@ def check_alert_webhooks(app_configs: Any = None, **kwargs: Any) -> list[Error]:
     {"url": "http(s)://...", "secret": "..."}, or a webhook URL (those, or
     DISPATCH_ALERT_WEBHOOK_URL) cannot be used. Messages name the setting, never the URL:
     it may hold a token."""
-    from django.conf import settings
-
     hint = 'Set it to {"name": {"url": "https://...", "secret": "..."}, ...}.'
     errors = []
     default = getattr(settings, "DISPATCH_ALERT_WEBHOOK_URL", "") or ""
@@ -174,8 +197,6 @@ def check_alert_webhooks(app_configs: Any = None, **kwargs: Any) -> list[Error]:
 def check_scan_lag(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
     """dispatch.W001: the health scan's lag is shorter than the coordination timeout, so a
     settlement that commits late can fall behind the scan's cursor (no alert, no count)."""
-    from dispatch import conf
-
     lag, timeout = conf.health_scan_lag(), conf.coordination_timeout()
     if timeout > 0 and lag < timeout:
         return [
@@ -189,3 +210,96 @@ def check_scan_lag(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
             )
         ]
     return []
+
+
+@register(Tags.database)
+def check_postgresql_version(app_configs: Any = None, databases: Any = None, **kwargs: Any):  # type: ignore[no-untyped-def]
+    errors: list[Error] = []
+    for alias in databases or []:
+        conn = connections[alias]
+        if conn.vendor != "postgresql":
+            continue  # E010 says so
+        try:
+            version = conn.pg_version  # type: ignore[attr-defined]
+        except DatabaseError:
+            continue  # unreachable: the command that needs it reports that itself
+        major, minor = divmod(int(version), 10000)
+        if (major, minor) < MIN_POSTGRES:
+            errors.append(
+                Error(
+                    f"Database {alias!r} is PostgreSQL {major}.{minor}; dispatch needs "
+                    f"{MIN_POSTGRES[0]} or newer.",
+                    id="dispatch.E011",
+                )
+            )
+    return errors
+
+
+@register()
+def check_database_engine(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    engine = settings.DATABASES.get("default", {}).get("ENGINE", "")
+    if engine.endswith("postgresql") or engine.endswith("postgis"):
+        return []
+    return [
+        Error(
+            f"dispatch needs PostgreSQL; DATABASES['default'] uses {engine or 'no engine'!r}.",
+            hint="Set ENGINE to 'django.db.backends.postgresql' (PostgreSQL "
+            f"{MIN_POSTGRES[0]} or newer): leases, fencing and wake-ups are PostgreSQL "
+            "functions, LISTEN/NOTIFY and row locks.",
+            id="dispatch.E010",
+        )
+    ]
+
+
+@register()
+def check_connector_paths(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    from django.utils.module_loading import import_string
+
+    from dispatch.connectors.base import Connector
+
+    errors = []
+    for path in conf.extra_connectors():
+        try:
+            cls = import_string(path)
+        except ImportError as exc:
+            errors.append(
+                Error(
+                    f"DISPATCH_CONNECTORS entry {path!r} cannot be imported: {exc}",
+                    hint="Use the dotted path of a dispatch.connectors.base.Connector "
+                    "subclass, e.g. 'mysite.connectors.S3Connector'.",
+                    id="dispatch.E012",
+                )
+            )
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, Connector)):
+            errors.append(
+                Error(
+                    f"DISPATCH_CONNECTORS entry {path!r} is not a "
+                    "dispatch.connectors.base.Connector subclass.",
+                    id="dispatch.E012",
+                )
+            )
+    return errors
+
+
+def unapplied_migrations(alias: str = "default") -> list[str]:
+    """The dispatch/scheduling migrations not applied on `alias` ("app.name" each)."""
+    from django.db.migrations.executor import MigrationExecutor
+
+    executor = MigrationExecutor(connections[alias])
+    targets = [key for key in executor.loader.graph.leaf_nodes() if key[0] in APPS]
+    plan = executor.migration_plan(targets)
+    return [f"{m.app_label}.{m.name}" for m, _ in plan if m.app_label in APPS]
+
+
+def migrations_error(alias: str = "default") -> Error | None:
+    """dispatch.E013 when migrations are missing (None when all are applied)."""
+    missing = unapplied_migrations(alias)
+    if not missing:
+        return None
+    shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+    return Error(
+        f"The database is not migrated: {len(missing)} migration(s) not applied ({shown}).",
+        hint="Run `manage.py migrate` first, then start the worker again.",
+        id="dispatch.E013",
+    )

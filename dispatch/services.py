@@ -16,12 +16,14 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.db import DatabaseError, connection, transaction
 from django.db.models import Max
 from django.db.models.functions import Now
 
 from dispatch import conf, deadline, sqlfiles
 from dispatch.models import Attempt, JobBinding, Run
+from dispatch.security import crypto
 from dispatch.states import (
     LIVE_STATUSES,
     RETRYABLE_RUN_STATUSES,
@@ -74,12 +76,11 @@ def notify(run_id: uuid.UUID | str) -> None:
         # its commit. Sent once it has committed (and not at all if it rolls back).
         transaction.on_commit(lambda: notify(run_id))
         return
+    statement = sqlfiles.query("notify")  # outside the try: a missing statement is a bug
     try:
         # In a worker, bounded like its other calls (no limit elsewhere).
         with deadline.bounded("notify"), connection.cursor() as cursor:
-            cursor.execute(
-                sqlfiles.query("notify"), {"channel": conf.channel(), "payload": str(run_id)}
-            )
+            cursor.execute(statement, {"channel": conf.channel(), "payload": str(run_id)})
     except Exception:  # noqa: BLE001 - the trigger has committed; never undo or fail it
         log.warning(
             "wake-up for run=%s not sent; workers will find it by polling", run_id, exc_info=True
@@ -243,11 +244,11 @@ def notify_many(run_ids: Sequence[uuid.UUID]) -> None:
         ids = list(run_ids)
         transaction.on_commit(lambda: notify_many(ids))
         return
+    statement = sqlfiles.query("notify_many")  # outside the try: a missing statement is a bug
     try:
         with deadline.bounded("notify_many"), connection.cursor() as cursor:
             cursor.execute(
-                sqlfiles.query("notify_many"),
-                {"channel": conf.channel(), "payloads": [str(r) for r in run_ids]},
+                statement, {"channel": conf.channel(), "payloads": [str(r) for r in run_ids]}
             )
     except Exception:  # noqa: BLE001 - the triggers have committed; never undo or fail them
         log.warning(
@@ -397,8 +398,10 @@ def set_binding_cursor(binding: JobBinding, cursor: list[str] | None, *, by: Any
 
     try:
         inc = incremental.parse(binding.job.source_spec)
-    except Exception as exc:  # noqa: BLE001 - a stored spec that no longer validates
-        raise ActionRefused("NOT_INCREMENTAL", f"the job's source spec is invalid: {exc}") from None
+    except ValidationError as exc:  # a stored spec that no longer validates
+        raise ActionRefused(
+            "NOT_INCREMENTAL", f"the job's source spec is invalid: {'; '.join(exc.messages)}"
+        ) from None
     if inc is None:
         raise ActionRefused(
             "NOT_INCREMENTAL", "the job reads its whole source (its source spec has no incremental)"
@@ -421,7 +424,7 @@ def set_binding_cursor(binding: JobBinding, cursor: list[str] | None, *, by: Any
         raise ActionRefused("SINK_FAILED", f"a {binding.sink.kind} sink keeps no cursor")
     try:
         config = binding.sink.config
-    except Exception:  # noqa: BLE001 - no detail: it could name key material
+    except crypto.SnapshotUnreadable:  # no detail: it could name key material
         raise ActionRefused(
             "SINK_FAILED", "the sink's stored settings cannot be decrypted (unknown key?)"
         ) from None

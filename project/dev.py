@@ -137,6 +137,7 @@ def cmd_test(pytest_args: list[str]) -> int:
         ["ruff", "check", "."],
         ["ruff", "format", "--check", "."],
         ["mypy", "dispatch", "scheduling", "project", "tools"],
+        ["lint-imports"],
     ]
     bindir = Path(PYTHON).parent
     try:

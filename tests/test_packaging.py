@@ -112,7 +112,7 @@ def test_wheel__holds_every_file_the_apps_need_and_nothing_of_the_repository(whe
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/", 1)[0] for n in names}
     assert top == {"dispatch", "scheduling", "django_dispatch_sync-0.1.0.dist-info"}, top
-    assert not top & {"project", "tests", "bench", "docs"}
+    assert not top & {"project", "tests", "bench", "docs", "tools"}
     for path in [
         *(ROOT / "dispatch" / "sql").rglob("*.sql"),
         *(ROOT / "scheduling" / "sql").rglob("*.sql"),

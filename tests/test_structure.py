@@ -74,3 +74,32 @@ def test_every_added_column_keeps_a_database_default_for_rolling_upgrades() -> N
         and not (op.field.null or op.field.db_default is not NOT_PROVIDED)
     ]
     assert loader.disk_migrations and not missing, missing
+
+
+def test_every_check_id_is_in_the_table_the_code_and_the_settings_page() -> None:
+    """One table of check ids (`dispatch.checks.CHECK_IDS`): every id the code raises is in
+    it, every row is raised by a check, and docs/settings.md lists each one."""
+    from dispatch import checks
+
+    raised: set[str] = set()
+    for path in (ROOT / "dispatch").rglob("*.py"):
+        raised |= set(re.findall(r'id="(dispatch\.[EW]\d{3})"', path.read_text()))
+    settings_page = (ROOT / "docs" / "settings.md").read_text()
+    documented = set(re.findall(r"`(dispatch\.[EW]\d{3})`", settings_page))
+    assert raised, "no check ids found in the code"
+    assert raised == set(checks.CHECK_IDS), raised ^ set(checks.CHECK_IDS)
+    assert set(checks.CHECK_IDS) <= documented, set(checks.CHECK_IDS) - documented
+
+
+def test_every_silenced_broad_except_says_why() -> None:
+    """ruff's BLE001 lets a broad `except` through only when it re-raises or logs its
+    traceback; one silenced with `noqa: BLE001` names its reason on the same line."""
+    bare = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for top in ("dispatch", "scheduling", "tools", "project")
+        for path in (ROOT / top).rglob("*.py")
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if re.search(r"noqa: [A-Z0-9, ]*BLE001", line)
+        and not re.search(r"BLE001[A-Z0-9, ]* - \w+", line)
+    ]
+    assert not bare, bare

@@ -10,6 +10,8 @@ the admin history. See docs/console.md.
 from __future__ import annotations
 
 import json
+import logging
+import traceback
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -17,7 +19,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin
 from django.contrib.admin.utils import unquote
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import (
     Count,
     DurationField,
@@ -42,6 +44,7 @@ from django.views.decorators.debug import sensitive_post_parameters
 from dispatch import conf, services
 from dispatch.connectors import incremental
 from dispatch.connectors.base import ConnectorError
+from dispatch.console import querypermission
 from dispatch.console.forms import DatasourceForm, config_field_names
 from dispatch.console.paging import CappedPaginator
 from dispatch.console.views import (
@@ -70,8 +73,10 @@ from dispatch.models import (
     Run,
     Worker,
 )
-from dispatch.security import sqlperm
+from dispatch.security import crypto
 from dispatch.states import LIVE_STATUSES, RETRYABLE_RUN_STATUSES, BlockedReason, Status, Trigger
+
+log = logging.getLogger("dispatch.console")
 
 # --- the action implementations (each one call of a service) -------------------------
 
@@ -134,7 +139,7 @@ def _test_connection(request: HttpRequest, datasource: Datasource) -> ActionResu
         raise ActionRefused("CONNECTION_FAILED", str(exc)) from None
     try:
         config = datasource.config
-    except Exception:  # noqa: BLE001 - no detail: it could name key material
+    except crypto.SnapshotUnreadable:  # no detail: it could name key material
         raise ActionRefused(
             "CONNECTION_FAILED", "the stored settings cannot be decrypted (unknown key?)"
         ) from None
@@ -143,8 +148,13 @@ def _test_connection(request: HttpRequest, datasource: Datasource) -> ActionResu
         connector.test_connection(config)
     except ConnectorError as exc:
         raise ActionRefused("CONNECTION_FAILED", scrub(str(exc), config, secret)) from None
-    except Exception as exc:  # noqa: BLE001 - an operator page must not 500 on a bad server
+    except Exception as exc:  # noqa: BLE001 - a connector's bug must not 500 the page
+        # Connectors raise ConnectorError for everything a server or a setting can cause:
+        # anything else is a bug in the connector. The operator sees it; the log keeps the
+        # traceback, scrubbed of the datasource's secrets like the message.
         message = scrub(" ".join(str(exc).split())[:300], config, secret)
+        trace = scrub("".join(traceback.format_exception(exc)), config, secret)
+        log.error("test connection raised %s (a connector bug)\n%s", type(exc).__name__, trace)
         raise ActionRefused("CONNECTION_FAILED", f"{type(exc).__name__}: {message}") from None
     return ActionResult("CONNECTION_OK")
 
@@ -171,7 +181,7 @@ def _set_cursor(request: HttpRequest, binding: JobBinding) -> ActionResult:
 def _incremental(binding: JobBinding) -> bool:
     try:
         return incremental.parse(binding.job.source_spec) is not None
-    except Exception:  # noqa: BLE001 - an invalid stored spec: no cursor actions
+    except ValidationError:  # an invalid stored spec: no cursor actions
         return False
 
 
@@ -595,7 +605,11 @@ class BindingAlertsInline(admin.StackedInline):  # type: ignore[type-arg]
 
 
 @admin.register(Job)
-class JobAdmin(ConsoleAdmin):
+class JobAdmin(querypermission.QueryPermissionAdmin, ConsoleAdmin):
+    # Source queries need a permission of their own (dispatch.security.sqlperm).
+    form_wrapper = staticmethod(querypermission.job_form)
+    guard = staticmethod(querypermission.guard_job_save)
+
     list_display = [
         "name",
         "enabled",
@@ -618,24 +632,16 @@ class JobAdmin(ConsoleAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Job]:
         return super().get_queryset(request).annotate(binding_count=Count("bindings"))
 
-    # Source queries need a permission of their own (dispatch.security.sqlperm).
-    def get_form(
-        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
-    ) -> Any:
-        form = super().get_form(request, obj, change=change, **kwargs)
-        return sqlperm.job_form(form, request)
-
-    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
-        sqlperm.guard_job_save(request, obj, change)
-        super().save_model(request, obj, form, change)
-
     @admin.display(description="bindings", ordering="binding_count")
     def binding_count(self, obj: Job) -> int:
         return int(getattr(obj, "binding_count", 0))
 
 
 @admin.register(JobBinding)
-class JobBindingAdmin(ConsoleAdmin):
+class JobBindingAdmin(querypermission.QueryPermissionAdmin, ConsoleAdmin):
+    form_wrapper = staticmethod(querypermission.binding_form)
+    guard = staticmethod(querypermission.guard_binding_save)
+
     list_display = [
         "name",
         "job",
@@ -661,16 +667,6 @@ class JobBindingAdmin(ConsoleAdmin):
     inlines = [BindingAlertsInline]
     has_trigger_permission = _perm("trigger_binding")
     has_reset_cursor_permission = _perm("reset_cursor_binding")
-
-    def get_form(
-        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
-    ) -> Any:
-        form = super().get_form(request, obj, change=change, **kwargs)
-        return sqlperm.binding_form(form, request)
-
-    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
-        sqlperm.guard_binding_save(request, obj, change)
-        super().save_model(request, obj, form, change)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[JobBinding]:
         latest = Run.objects.filter(binding=OuterRef("pk")).order_by("-created_at")

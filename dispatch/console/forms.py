@@ -18,7 +18,7 @@ from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from dispatch.connectors import registry
 from dispatch.connectors.base import ConfigField, Connector
 from dispatch.models import SECRET_MASK, Datasource
-from dispatch.security import jsondepth
+from dispatch.security import crypto, jsondepth
 
 PREFIX = "config__"
 CLEAR_SUFFIX = "__clear"
@@ -202,7 +202,7 @@ class DatasourceForm(forms.ModelForm):  # type: ignore[type-arg]
             return {}
         try:
             return self.instance.config
-        except Exception:  # noqa: BLE001 - an unreadable config must not break the page
+        except crypto.SnapshotUnreadable:  # an unreadable config must not break the page
             # No detail: the exception could name key material. The operator re-enters
             # every secret; blank secrets are then missing, and required ones say so.
             self.add_error(

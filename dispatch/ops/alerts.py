@@ -436,13 +436,27 @@ def _lease(limit: int) -> list[Alert]:
     return list(Alert.objects.filter(id__in=ids).order_by("created_at"))
 
 
+# What a notifier raises when delivery fails: a setting (ValueError), the webhook's answer
+# (RuntimeError, see _send_webhook), the network or the mail server (OSError, which
+# smtplib's errors are). Anything else is a bug: still retried, its traceback logged.
+DELIVERY_ERRORS: tuple[type[Exception], ...] = (ValueError, RuntimeError, OSError)
+
+
 def drain(*, limit: int = DRAIN_BATCH) -> int:
     """Send the due alerts; returns how many were sent."""
     sent = 0
     for alert in _lease(limit):
         try:
             send(alert)
-        except Exception as exc:  # noqa: BLE001 - every notifier failure is retried
+        except Exception as exc:  # noqa: BLE001 - the outbox's boundary: the alert is retried
+            if not isinstance(exc, DELIVERY_ERRORS):
+                log.error(
+                    "alert notifier raised %s (a bug) kind=%s notifier=%s",
+                    type(exc).__name__,
+                    alert.kind,
+                    alert.notifier,
+                    exc_info=True,
+                )
             error = " ".join(str(exc).split())[:ERROR_CHARS] or type(exc).__name__
             final = alert.attempts >= conf.alert_max_attempts()
             delay = min(conf.alert_backoff() * 2 ** (alert.attempts - 1), 3600.0)

@@ -17,18 +17,20 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
+from dispatch.db import DB_ERRORS
+
 
 def _database() -> str | None:
     try:
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")
-    except Exception as exc:  # noqa: BLE001 - any failure means not ready
+    except DB_ERRORS as exc:  # any database failure means not ready
         return f"database unreachable: {type(exc).__name__}"
     return None
 
 
 def _migrations() -> str | None:
-    from dispatch.site_checks import unapplied_migrations
+    from dispatch.checks import unapplied_migrations
 
     missing = unapplied_migrations()
     if missing:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from django.db import connection
 
 from dispatch import conf
+from dispatch.db import DB_ERRORS, one_line
 from dispatch.ops import retention
 
 log = logging.getLogger("dispatch.maintenance")
@@ -56,10 +57,13 @@ def run_once(now: float | None = None, due: dict[str, float] | None = None) -> d
             continue
         try:
             done[name] = result = task()
-        except Exception as exc:  # noqa: BLE001 - one task's failure never stops the others
-            log.warning("maintenance task failed task=%s error=%s", name, exc)
+        except Exception as exc:  # noqa: BLE001 - the loop's boundary: one task never stops the others
+            if isinstance(exc, DB_ERRORS):
+                log.warning("maintenance task failed task=%s error=%s", name, one_line(exc))
+            else:  # a bug: the traceback says where
+                log.error("maintenance task failed task=%s", name, exc_info=True)
             done[name] = result = exc
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*DB_ERRORS):
                 connection.close()  # a broken connection is rebuilt on the next tick
         if due is not None:
             due[name] = now + interval() * (0.5 if result is None else 1.0)

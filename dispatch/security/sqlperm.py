@@ -8,7 +8,8 @@ granted separately from changing jobs and bindings: `dispatch.write_source_query
 - A binding that attaches a job with a query to a source (new binding, another job,
   another source) needs it: the same query against another database is new SQL there.
 
-The admin forms say so as an error; `save_model` refuses with 403 on every other path.
+This module is the policy; the console applies it (`dispatch.console.querypermission`: the
+admin forms say so as an error, `save_model` refuses with 403 on every other path).
 Least-privilege source roles (docs/security.md) remain the real boundary.
 """
 
@@ -17,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from django import forms
-from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest
 
 QUERY_PERMISSION = "dispatch.write_source_query"
@@ -52,70 +51,3 @@ def binding_needs(job: Any, source_id: Any, stored: Mapping[str, Any] | None) ->
 
 def allowed(request: HttpRequest | None) -> bool:
     return request is not None and bool(request.user.has_perm(QUERY_PERMISSION))
-
-
-def job_form(form_class: type[forms.ModelForm], request: HttpRequest) -> type:  # type: ignore[type-arg]
-    from dispatch.models import Job
-
-    class JobQueryForm(form_class):  # type: ignore[valid-type,misc]
-        def clean(self) -> dict[str, Any]:
-            data = super().clean()
-            stored = None
-            if self.instance.pk and not self.instance._state.adding:
-                stored = (
-                    Job.objects.filter(pk=self.instance.pk)
-                    .values_list("source_spec", flat=True)
-                    .first()
-                )
-            needed = "source_spec" in data and job_needs(data["source_spec"], stored)
-            if needed and not allowed(request):
-                self.add_error("source_spec", MESSAGE)
-            return data
-
-    return JobQueryForm
-
-
-def binding_form(form_class: type[forms.ModelForm], request: HttpRequest) -> type:  # type: ignore[type-arg]
-    from dispatch.models import JobBinding
-
-    class BindingQueryForm(form_class):  # type: ignore[valid-type,misc]
-        def clean(self) -> dict[str, Any]:
-            data = super().clean()
-            stored = None
-            if self.instance.pk and not self.instance._state.adding:
-                stored = (
-                    JobBinding.objects.filter(pk=self.instance.pk)
-                    .values("job_id", "source_id")
-                    .first()
-                )
-            job = data.get("job")
-            source = data.get("source")
-            if binding_needs(job, source.pk if source else None, stored) and not allowed(request):
-                self.add_error(None, MESSAGE)
-            return data
-
-    return BindingQueryForm
-
-
-def guard_job_save(request: HttpRequest, obj: Any, change: bool) -> None:
-    from dispatch.models import Job
-
-    stored = (
-        Job.objects.filter(pk=obj.pk).values_list("source_spec", flat=True).first()
-        if change
-        else None
-    )
-    if job_needs(obj.source_spec, stored) and not allowed(request):
-        raise PermissionDenied(MESSAGE)
-
-
-def guard_binding_save(request: HttpRequest, obj: Any, change: bool) -> None:
-    from dispatch.models import JobBinding
-
-    stored = (
-        JobBinding.objects.filter(pk=obj.pk).values("job_id", "source_id").first()
-        if change
-        else None
-    )
-    if binding_needs(obj.job, obj.source_id, stored) and not allowed(request):
-        raise PermissionDenied(MESSAGE)

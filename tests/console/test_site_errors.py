@@ -15,7 +15,7 @@ from django.db import connection
 from django.test import override_settings
 from psycopg import sql
 
-from dispatch import site_checks
+from dispatch import checks
 from tests.conftest import test_database_url, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,10 +26,10 @@ KEY = "7tLtvrDaR4N3B7yWAnMGz7CVGRHhKK0mFmGiZ1cxjbs="
 def test_sqlite_is_refused_by_the_checks_with_its_id():
     sqlite = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
     with override_settings(DATABASES=sqlite):
-        errors = site_checks.check_database_engine()
+        errors = checks.check_database_engine()
     assert [e.id for e in errors] == ["dispatch.E010"]
     assert "PostgreSQL" in errors[0].msg and "sqlite3" in errors[0].msg
-    assert site_checks.check_database_engine() == []  # the real settings pass
+    assert checks.check_database_engine() == []  # the real settings pass
 
 
 @pytest.mark.django_db
@@ -41,7 +41,7 @@ def test_a_connector_path_that_does_not_import_fails_check():
     ):
         call_command("check")
     with override_settings(DISPATCH_CONNECTORS=["dispatch.models.Run"]):
-        errors = site_checks.check_connector_paths()
+        errors = checks.check_connector_paths()
     assert [e.id for e in errors] == ["dispatch.E012"]
     assert "not a dispatch.connectors.base.Connector" in errors[0].msg
 
@@ -57,8 +57,8 @@ def test_no_encryption_key_fails_check():
 
 @pytest.mark.django_db
 def test_postgresql_version_check_passes_on_this_server():
-    assert site_checks.check_postgresql_version(databases=["default"]) == []
-    assert connection.pg_version >= site_checks.MIN_POSTGRES[0] * 10000  # type: ignore[attr-defined]
+    assert checks.check_postgresql_version(databases=["default"]) == []
+    assert connection.pg_version >= checks.MIN_POSTGRES[0] * 10000  # type: ignore[attr-defined]
 
 
 @pytest.fixture

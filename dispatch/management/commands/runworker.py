@@ -10,7 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import OperationalError
 from django.utils.module_loading import import_string
 
-from dispatch import conf, deadline, site_checks
+from dispatch import checks, conf, deadline
 from dispatch.ops import maintenance, metrics
 from dispatch.worker.coordinator import WorkerDispatchCoordinator
 from dispatch.worker.log import ensure_worker_logging
@@ -112,8 +112,8 @@ class Command(BaseCommand):
         retry loop on a missing table). An unreachable database is not an error here:
         the worker waits for it, saying so."""
         try:
-            errors = site_checks.check_postgresql_version(databases=["default"])
-            missing = site_checks.migrations_error()
+            errors = checks.check_postgresql_version(databases=["default"])
+            missing = checks.migrations_error()
         except OperationalError:
             return
         if missing is not None:
