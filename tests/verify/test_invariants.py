@@ -379,6 +379,8 @@ def _schedule_model() -> Any:
 
 
 def test_check__schedule_slots_missing_and_bogus() -> None:
+    from scheduling import verify as schedule_checks
+
     schedule_model = _schedule_model()
     binding = BindingFactory()
     schedule = schedule_model(binding=binding, cron="* * * * *", timezone="UTC")
@@ -388,8 +390,10 @@ def test_check__schedule_slots_missing_and_bogus() -> None:
     schedule_model.objects.filter(pk=schedule.pk).update(
         created_at=schedule.next_fire_at - timedelta(minutes=10, seconds=30)
     )
-    slots = invariants.slots_between(
-        invariants.load_schedules(invariants.load(Scope(schedule_ids=frozenset({schedule.id}))))[0],
+    slots = schedule_checks.slots_between(
+        schedule_checks.load_schedules(
+            invariants.load(Scope(schedule_ids=frozenset({schedule.id})))
+        )[0],
         schedule.next_fire_at - timedelta(minutes=10, seconds=30),
         schedule.next_fire_at,
     )
@@ -400,6 +404,17 @@ def test_check__schedule_slots_missing_and_bogus() -> None:
     report = invariants.check(scope, sinks=False)
     assert "schedule_slots" in checks_failing(report)
     assert "8 due slot(s) without a run but only 0 recorded skip(s)" in report.render()
+    # The schedules' check is scheduling's, found through its AppConfig: the command's
+    # --schedule runs it, and a check without the installed apps' checks does not.
+    assert schedule_checks.check in invariants.app_checks()
+    out = io.StringIO()
+    with pytest.raises(SystemExit):
+        call_command("check_invariants", "--schedule", str(schedule.id), "--no-sinks", stdout=out)
+    assert "schedule_slots: 1" in out.getvalue() and "schedules=1" in out.getvalue()
+    assert "8 due slot(s) without a run" in out.getvalue()
+    without_apps = invariants.check(scope, sinks=False, installed_apps=False)
+    assert "schedule_slots" not in checks_failing(without_apps)
+    assert "schedules" not in without_apps.counts
     # Recorded skips account for the rest.
     schedule_model.objects.filter(pk=schedule.pk).update(skip_count=8)
     report = invariants.check(scope, sinks=False)
