@@ -1,10 +1,11 @@
 """The invariant checker: read the dispatch tables (and every PostgreSQL sink) and report
-what the product promises never happens (contract sections 2, 4, 5 and 7).
+what the product promises never happens (contract sections 2, 4, 5 and 7); installed apps
+add checks of their own tables (`app_checks`: scheduling's slots, section 7).
 
-`load()` reads the runs in a `Scope` and their attempts in one pass; each `check_*`
-function is small, takes that state and returns the violations it finds, so a test can
-build one violating state on purpose and see exactly that check report it. The checker
-only reads: it never repairs, retries or settles anything.
+`load()` (dispatch.verify.state) reads the runs in a `Scope` and their attempts in one
+pass; each `check_*` function is small, takes that state and returns the violations it
+finds, so a test can build one violating state on purpose and see exactly that check
+report it. The checker only reads: it never repairs, retries or settles anything.
 """
 
 from __future__ import annotations
