@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 DATABASE = "dispatch_chaos"
 SINK_DATABASE = "dispatch_chaos_sink"
-# The typed binding's source: one column of each of 35 types (project/typesample.py).
+# The typed binding's source: one column of each of 35 types (tools/typesample.py).
 SOURCE_DATABASE = "dispatch_chaos_source"
 TYPED = "chaos-pg-types"
 # The campaign's own connections carry this name, so killing "working connections" never
@@ -866,7 +866,7 @@ class Campaign:
         """Undo the campaign's own disables. A binding the health scan auto-disabled in
         the meantime stays disabled: re-enabling it is an operator's decision (one the
         product answers by counting its failures afresh), not the end of a fault. A scan
-        that disables it between this read and the update is that operator's case."""
+        that disables it while this update runs may see it undone: that operator's case."""
         for pk, at in list(self.reenable_at.items()):
             if all_now or time.monotonic() >= at:
                 self.db(
