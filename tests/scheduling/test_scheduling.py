@@ -4,6 +4,7 @@ command and the admin."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import UTC, datetime, timedelta
 from io import StringIO
@@ -23,6 +24,7 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from psycopg import sql
 
+from dispatch import sqlfiles as dispatch_sqlfiles
 from dispatch.models import Job, JobBinding, Run
 from dispatch.states import Status, Trigger
 from dispatch.worker import claims
@@ -30,7 +32,7 @@ from scheduling import admin as sched_admin
 from scheduling import conf, cron, sqlfiles, wakeup
 from scheduling.models import MisfirePolicy, OverlapPolicy, Schedule, SkipReason, db_now
 from scheduling.reconciler import Fired, ScheduleReconciler, Skipped
-from tests.conftest import test_database_url
+from tests.conftest import ROOT, test_database_url
 from tests.support.factories import BindingFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -530,6 +532,27 @@ def test_wakeup__a_database_error_is_logged_and_the_callers_transaction_goes_on(
         Schedule.objects.filter(pk=schedule.pk).update(skip_count=F("skip_count") + 1)
     assert Schedule.objects.get(pk=schedule.pk).skip_count == 8
     assert f"schedule wake-up not sent schedule={schedule.pk}" in caplog.text
+
+
+def test_every_statement_name_scheduling_uses_exists_and_is_valid_sql() -> None:
+    """A name the code asks for has its statement (a missing one is a KeyError at run
+    time), and every statement of scheduling/sql/queries.sql plans against the schema."""
+    own_names: set[str] = set()
+    dispatch_names: set[str] = set()
+    for path in (ROOT / "scheduling").rglob("*.py"):
+        text = path.read_text()
+        dispatch_names |= set(re.findall(r'dispatch_sqlfiles\.query\(\s*"(\w+)"', text))
+        own_names |= set(
+            re.findall(r'(?<!dispatch_)(?:sqlfiles\.query|_execute|_guarded)\(\s*"(\w+)"', text)
+        )
+    assert {"due_schedule", "record_fire", "notify_in_transaction"} <= own_names
+    assert dispatch_names == {"notify"}
+    assert own_names <= set(sqlfiles.query_names()), own_names - set(sqlfiles.query_names())
+    assert dispatch_names <= set(dispatch_sqlfiles.query_names())
+    with connection.cursor() as cursor:
+        for name in sqlfiles.query_names():
+            # EXPLAIN plans without executing: tables, columns and functions exist.
+            cursor.execute("EXPLAIN " + re.sub(r"%\((\w+)\)s", "NULL", sqlfiles.query(name)))
 
 
 # --- system checks --------------------------------------------------------------------------------
