@@ -7,6 +7,9 @@ class SchedulingConfig(AppConfig):
     name = "scheduling"
     verbose_name = "Scheduling"
     default_auto_field = "django.db.models.BigAutoField"
+    # Read by dispatch's invariant checker (dispatch.verify.invariants.app_checks), which
+    # never imports this app: the schedules' slots against the runs they created.
+    invariant_checks = ("scheduling.verify.check",)
 
     def ready(self) -> None:
         # Registers the system checks. No database access here: `migrate` must work on an

@@ -153,5 +153,7 @@ class Slots:
     def explain(self) -> str:
         try:
             return CronSim(self.expression, datetime(2000, 1, 1)).explain()
-        except Exception:  # noqa: BLE001 - a description is optional
+        except (CronSimError, NotImplementedError):
+            # A description is optional: an expression the library cannot parse, or a
+            # form its explainer does not implement, has none. Anything else is a bug.
             return ""

@@ -8,17 +8,17 @@ back (see `Schedule.save`).
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.db import connection, models, transaction
+from django.db import models, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
+from dispatch.db import db_now
 from dispatch.models import JobBinding, Run
 from scheduling import cron as cronexpr
-from scheduling import sqlfiles
+from scheduling import wakeup
 
 
 class MisfirePolicy(models.TextChoices):
@@ -61,14 +61,6 @@ def validate_timezone(value: str) -> None:
         cronexpr.zone(value)
     except cronexpr.CronError as exc:
         raise ValidationError(str(exc), code="invalid_timezone") from None
-
-
-def db_now() -> datetime:
-    """PostgreSQL's `now()` (the current transaction's start)."""
-    with connection.cursor() as cursor:
-        cursor.execute(sqlfiles.query("db_now"))
-        (now,) = cursor.fetchone()
-    return now
 
 
 class ScheduleQuerySet(models.QuerySet["Schedule"]):
@@ -204,7 +196,9 @@ class Schedule(models.Model):
                 kwargs["update_fields"] = {*update_fields, "next_fire_at"}
             super().save(*args, **kwargs)
             schedule_id = self.pk
-            transaction.on_commit(lambda: notify_reconcilers(schedule_id))
+            # After the commit, outside any transaction: a wake-up that fails (a full
+            # notification queue) must never fail the save (scheduling.wakeup).
+            transaction.on_commit(lambda: wakeup.notify(schedule_id))
 
     def slots(self) -> cronexpr.Slots:
         return cronexpr.Slots(self.cron, self.timezone)
@@ -222,11 +216,3 @@ class Schedule(models.Model):
                 errors[name] = exc.messages
         if errors:
             raise ValidationError(errors)
-
-
-def notify_reconcilers(schedule_id: uuid.UUID | str) -> None:
-    """Wake reconciler loops (they recompute their sleep). Never raises: a lost wake-up
-    costs at most the loop's bounded sleep."""
-    from scheduling.reconciler import notify
-
-    notify(schedule_id)

@@ -15,7 +15,7 @@ and the unique slot is the last line of defence. No advisory lock is taken.
 
 The loop (`run`) sleeps until the earliest `next_fire_at` (a duration computed by the
 database, at most `conf.MAX_SLEEP_SECONDS`) and wakes early on a notification on
-`DISPATCH_SCHEDULE_CHANNEL`, sent after a schedule is saved.
+`DISPATCH_SCHEDULE_CHANNEL`, sent after a schedule is saved (`scheduling.wakeup`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from django.db import connection, transaction
 from psycopg import sql
 
 from dispatch import services
-from dispatch import sqlfiles as dispatch_sqlfiles
 from dispatch.db import DB_ERRORS, one_line
 from dispatch.models import JobBinding, Run
 from dispatch.states import Trigger
@@ -443,7 +442,7 @@ class _Listener:
 
     def close(self) -> None:
         if self.conn is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(psycopg.Error, OSError):
                 self.conn.close()
             self.conn = None
 
@@ -492,20 +491,6 @@ def run_loop(stop_event: threading.Event) -> None:
         raise
 
 
-def notify(schedule_id: uuid.UUID | str) -> None:
-    """Wake reconciler loops. Never raises: a lost wake-up costs at most the bounded
-    sleep. Sent with synchronous_commit off (dispatch's `notify` statement)."""
-    statement = "notify_in_transaction" if connection.in_atomic_block else "notify"
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                dispatch_sqlfiles.query(statement),
-                {"channel": conf.schedule_channel(), "payload": str(schedule_id)},
-            )
-    except Exception:  # noqa: BLE001 - the save has committed; never fail it
-        log.warning("schedule wake-up not sent schedule=%s", schedule_id, exc_info=True)
-
-
 def register_at_startup() -> threading.Thread:
     """Register schedules when the site starts, in a background thread so that a slow or
     unreachable database never holds up (or stops) the site; a failure is logged and the
@@ -519,10 +504,13 @@ def register_at_startup() -> threading.Thread:
                 registered,
                 unregistered,
             )
-        except Exception as exc:  # noqa: BLE001 - never stop the site
+        except DB_ERRORS as exc:  # a database that is down or slow: never stop the site
             log.warning(
                 "schedules not registered at start (the reconciler will) error=%s", one_line(exc)
             )
+        except Exception:
+            # The thread's boundary: the site starts anyway, and the traceback says why.
+            log.exception("schedules not registered at start (the reconciler will)")
         finally:
             _reset_connection()
 

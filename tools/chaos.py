@@ -33,22 +33,23 @@ import psycopg
 from django.apps import apps
 from django.conf import settings
 from django.core.management import call_command
-from django.db import Error as DjangoDBError
 from django.db import connection
+from django.db.models import Exists, OuterRef, Q
 from psycopg import sql
 
 from dispatch import conf, services
-from dispatch.models import Datasource, Job, JobBinding, Run
-from dispatch.states import Status
+from dispatch.db import DB_ERRORS, db_now
+from dispatch.models import Attempt, Datasource, Job, JobBinding, Run
+from dispatch.models.ops import HealthState
+from dispatch.states import BlockedReason, Status
 from dispatch.verify import invariants
 from tools.blackhole import BlackholeProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
-DB_ERRORS: tuple[type[BaseException], ...] = (DjangoDBError, psycopg.Error)
 DATABASE = "dispatch_chaos"
 SINK_DATABASE = "dispatch_chaos_sink"
-# The typed binding's source: one column of each of 35 types (project/typesample.py).
+# The typed binding's source: one column of each of 35 types (tools/typesample.py).
 SOURCE_DATABASE = "dispatch_chaos_source"
 TYPED = "chaos-pg-types"
 # The campaign's own connections carry this name, so killing "working connections" never
@@ -202,6 +203,10 @@ class Summary:
     source_write_retries: int = 0
     catch_up_runs: int = 0
     incremental: dict[str, Any] = field(default_factory=dict)
+    # Bindings the product's health scan disabled (name -> its reason), and the runs of
+    # the campaign left waiting behind them (PENDING, marked BINDING_DISABLED).
+    auto_disabled: dict[str, str] = field(default_factory=dict)
+    waiting_auto_disabled: int = 0
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -245,6 +250,9 @@ class Summary:
             f"updates during the campaign ({self.source_write_retries} retried); "
             f"{self.catch_up_runs} catch-up run(s) after it",
             *(f"    {name}: {figures}" for name, figures in sorted(self.incremental.items())),
+            f"  bindings auto-disabled by the health scan: {len(self.auto_disabled)} "
+            f"({self.waiting_auto_disabled} run(s) left waiting behind them)",
+            *(f"    {name}: {reason}" for name, reason in sorted(self.auto_disabled.items())),
             f"  harness database retries: {self.harness_db_retries}",
             f"  unexpected process exits: {len(self.unexpected_exits)}",
         ]
@@ -646,8 +654,6 @@ class Campaign:
     def busy_workers(
         self, *, sink_kind: str | None = None, before_commit: bool = False
     ) -> list[Proc]:
-        from dispatch.models import Attempt
-
         running = Attempt.objects.running()
         if sink_kind:
             running = running.filter(run__binding__sink__kind=sink_kind)
@@ -833,8 +839,22 @@ class Campaign:
         self.db(lambda: ds.save())
         return True
 
+    def _auto_disabled_ids(self) -> set[uuid.UUID]:
+        """Bindings the product's health scan has disabled (dispatch.ops.alerts)."""
+        return set(
+            self.db(
+                lambda: list(
+                    JobBinding.objects.filter(health__state=HealthState.AUTO_DISABLED).values_list(
+                        "pk", flat=True
+                    )
+                )
+            )
+        )
+
     def fault_disable_binding(self) -> bool:
-        choices = [b for b in self.bindings if b.pk not in self.reenable_at]
+        # Not one the product disabled: the campaign's re-enable would undo its decision.
+        auto = self._auto_disabled_ids()
+        choices = [b for b in self.bindings if b.pk not in self.reenable_at and b.pk not in auto]
         if not choices:
             return False
         b = self.rng.choice(choices)
@@ -843,9 +863,20 @@ class Campaign:
         return True
 
     def _reenable(self, *, all_now: bool = False) -> None:
+        """Undo the campaign's own disables. A binding the health scan auto-disabled in
+        the meantime stays disabled: re-enabling it is an operator's decision (one the
+        product answers by counting its failures afresh), not the end of a fault. A scan
+        that disables it while this update runs may see it undone: that operator's case."""
         for pk, at in list(self.reenable_at.items()):
             if all_now or time.monotonic() >= at:
-                self.db(partial(JobBinding.objects.filter(pk=pk).update, enabled=True))
+                self.db(
+                    partial(
+                        JobBinding.objects.filter(pk=pk)
+                        .exclude(health__state=HealthState.AUTO_DISABLED)
+                        .update,
+                        enabled=True,
+                    )
+                )
                 del self.reenable_at[pk]
 
     # --- the campaign ------------------------------------------------------------------------
@@ -876,12 +907,7 @@ class Campaign:
         s.stall_held_bytes = sum(p.held_bytes for p in self.proxies.values())
 
     def _db_now(self) -> Any:
-        def now() -> Any:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT now()")
-                return cursor.fetchone()[0]
-
-        return self.db(now)
+        return self.db(db_now)
 
     def _fault_phase(self) -> None:
         plan = self.plan()
@@ -956,7 +982,12 @@ class Campaign:
         """With the source still, one more run per incremental binding (again until one
         succeeds): its commit puts the sink's cursor at the source's last version, where
         the checker compares the whole table."""
+        auto = self._auto_disabled_ids()
         for b in self.incremental_bindings:
+            if b.pk in auto:
+                # Its runs would wait for an operator; the checker compares what it committed.
+                self.summary.notes.append(f"{b.name}: auto-disabled, no catch-up run")
+                continue
             for i in range(5):
                 key = f"{self.tag}-catch-up-{b.name}-{i}"
                 run = self.db(
@@ -999,7 +1030,9 @@ class Campaign:
         scope = self._scope_filter()
         while time.monotonic() - started < self.o.quiesce_timeout:
             self._watch_processes()
-            live = self.db(lambda: Run.objects.filter(scope).live().count())
+            live = self.db(
+                lambda: Run.objects.filter(scope).live().exclude(waiting_auto_disabled()).count()
+            )
             if not live:
                 break
             time.sleep(0.2)
@@ -1007,8 +1040,6 @@ class Campaign:
         self._catch_up()
 
     def _scope_filter(self) -> Any:
-        from django.db.models import Q
-
         return (
             Q(requested_by=self.tag) | Q(id__in=self.run_ids) | Q(schedule_id__in=self.schedule_ids)
         )
@@ -1051,7 +1082,7 @@ class Campaign:
     def _collect(self) -> None:
         from django.db.models import Count
 
-        from dispatch.models import Attempt, Worker
+        from dispatch.models import Worker
 
         s = self.summary
         scope = self._scope_filter()
@@ -1120,6 +1151,16 @@ class Campaign:
                 f"cursors recorded, rows checked at {item.snapshots} committed snapshots), "
                 f"attempts that did not succeed by reason {dict(sorted(reasons.items()))}"
             )
+        s.auto_disabled = dict(
+            self.db(
+                lambda: list(
+                    JobBinding.objects.filter(health__state=HealthState.AUTO_DISABLED)
+                    .order_by("name")
+                    .values_list("name", "health__reason")
+                )
+            )
+        )
+        s.waiting_auto_disabled = report.counts.get("waiting_auto_disabled", 0)
         s.violations = [str(v) for v in report.violations]
         stale = self.stale_sink_commits()
         s.stale_commits_accepted = len(stale)
@@ -1146,6 +1187,28 @@ class Campaign:
                 default=str,
             )
         )
+
+
+def waiting_auto_disabled() -> Q:
+    """Runs that wait, as the product promises, behind a binding its health scan disabled
+    (the checker's `waits_behind_auto_disable`, as a filter): quiescence does not wait for
+    them, the checker judges them."""
+    blocked = Exists(
+        Attempt.objects.filter(
+            run_id=OuterRef("pk"),
+            status=Status.PENDING,
+            blocked_reason=BlockedReason.BINDING_DISABLED,
+        )
+    )
+    return (
+        Q(blocked)
+        & Q(
+            status=Status.PENDING,
+            binding__enabled=False,
+            binding__health__state=HealthState.AUTO_DISABLED,
+        )
+        & ~Q(binding__health__reason="")
+    )
 
 
 STALE_SUCCESS = re.compile(

@@ -30,14 +30,17 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.db import connection
+from psycopg import sql
 
-if TYPE_CHECKING:
-    from dispatch.verify.invariants import BindingRow, State
+from dispatch.connectors import incremental, postgresql
+from dispatch.verify import sinks as sink_access
+from dispatch.verify.state import BindingRow, State
 
 # Findings listed per binding at most (the rest are counted).
 SAMPLES = 3
@@ -99,8 +102,6 @@ def _attempt_cursors(attempt_ids: list[uuid.UUID]) -> dict[uuid.UUID, tuple[Any,
 def load(state: State, history: Mapping[str, str] | None = None) -> list[IncrementalSink]:
     """Check every incremental binding in scope (see the module's doc); a sink or source
     that cannot be read becomes `IncrementalSink.error` (a violation)."""
-    from dispatch.connectors import incremental
-
     found = []
     for b in incremental_bindings(state):
         inc = incremental.parse(b.source_spec)
@@ -115,21 +116,15 @@ def load(state: State, history: Mapping[str, str] | None = None) -> list[Increme
         found.append(item)
         try:
             _check_one(state, b, inc, item)
-        except Exception as exc:  # noqa: BLE001 - an unreadable side is reported, not fatal
-            item.error = " ".join(str(exc).split())[:300] or type(exc).__name__
+        except sink_access.SINK_ERRORS as exc:  # an unreadable side is reported
+            item.error = sink_access.error_text(exc)
     return found
 
 
 def _check_one(state: State, b: BindingRow, inc: Any, item: IncrementalSink) -> None:
-    from psycopg import sql
-
-    from dispatch.connectors import postgresql
-
     run_ids = [r.id for r in state.runs.values() if r.binding_id == b.id]
     sink_schema, sink_name = postgresql.parse_table(b.sink_spec["table"])
-    from dispatch.verify.invariants import _sink_connection
-
-    with _sink_connection(b.sink_id) as sink:
+    with sink_access.connect(b.sink_id) as sink:
         schema = sink_schema or sink.execute("SELECT current_schema()").fetchone()[0]
         target = sql.Identifier(schema, sink_name)
         fence_ok, cursor_ok, table_ok = sink.execute(
@@ -180,7 +175,7 @@ def _check_one(state: State, b: BindingRow, inc: Any, item: IncrementalSink) -> 
             return
         _check_chain(inc, item, _attempt_cursors(committed_attempts))
         src_schema, src_name = postgresql.parse_table(b.source_spec["table"])
-        with _sink_connection(b.source_id) as source:  # type: ignore[arg-type]
+        with sink_access.connect(b.source_id) as source:  # type: ignore[arg-type]
             src_schema = src_schema or source.execute("SELECT current_schema()").fetchone()[0]
             _compare(source, sink, target, sql.Identifier(src_schema, src_name), inc, b, item)
 
@@ -231,10 +226,6 @@ def _compare(
     b: BindingRow,
     item: IncrementalSink,
 ) -> None:
-    from psycopg import sql
-
-    from dispatch.connectors import postgresql
-
     names = [
         d.name
         for d in source.execute(sql.SQL("SELECT * FROM {} LIMIT 0").format(relation)).description
@@ -447,8 +438,6 @@ def _identity(source: Any, relation: Any, b: BindingRow) -> list[str]:
 def _compare_multisets(
     item: IncrementalSink, expected: list[str], actual: list[str], what: str
 ) -> None:
-    from collections import Counter
-
     want, have = Counter(expected), Counter(actual)
     if want == have:
         return

@@ -1,27 +1,57 @@
 """The invariant checker: read the dispatch tables (and every PostgreSQL sink) and report
-what the product promises never happens (contract sections 2, 4, 5 and 7).
+what the product promises never happens (contract sections 2, 4, 5 and 7); installed apps
+add checks of their own tables (`app_checks`: scheduling's slots, section 7).
 
-`load()` reads the runs in a `Scope` and their attempts in one pass; each `check_*`
-function is small, takes that state and returns the violations it finds, so a test can
-build one violating state on purpose and see exactly that check report it. The checker
-only reads: it never repairs, retries or settles anything.
+`load()` (dispatch.verify.state) reads the runs in a `Scope` and their attempts in one
+pass; each `check_*` function is small, takes that state and returns the violations it
+finds, so a test can build one violating state on purpose and see exactly that check
+report it. The checker only reads: it never repairs, retries or settles anything.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
-from django.db import connection
+from django.apps import apps
+from django.utils.module_loading import import_string
+from psycopg import sql
 
-from dispatch.ops import retention
-from dispatch.states import TERMINAL_RUN_STATUSES, Origin, Reason, Status
+from dispatch.connectors import postgresql
+from dispatch.models.ops import HealthState
+from dispatch.states import TERMINAL_RUN_STATUSES, BlockedReason, Origin, Reason, Status
+from dispatch.verify import incremental as invariants_incremental
+from dispatch.verify import sinks as sink_access
+from dispatch.verify.incremental import IncrementalSink
+from dispatch.verify.state import (
+    AttemptRow,
+    BindingRow,
+    Findings,
+    RunRow,
+    Scope,
+    State,
+    Violation,
+    load,
+)
+
+__all__ = [
+    "AttemptRow",
+    "BindingRow",
+    "Findings",
+    "Report",
+    "RunRow",
+    "Scope",
+    "State",
+    "Violation",
+    "app_checks",
+    "check",
+    "load",
+    "parse_run_ids",
+]
 
 # Reasons that say the attempt's worker lost it (lease or release): such an attempt can
 # never be the one that SUCCEEDED.
@@ -30,88 +60,6 @@ LOST_REASONS = frozenset(
 )
 # Attempt statuses that end with a settlement that must name its reason.
 NEEDS_REASON = frozenset({Status.RETRY_SCHEDULED, Status.FAILED, Status.CANCELLED})
-# Slots enumerated per schedule at most (a runaway window is a bug in the caller).
-MAX_SLOTS = 100_000
-
-
-@dataclass(frozen=True)
-class Violation:
-    check: str
-    subject: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"[{self.check}] {self.subject}: {self.message}"
-
-
-@dataclass(frozen=True)
-class Scope:
-    """Which runs to check: listed ids, runs tagged with `requested_by`, runs of the
-    listed schedules; everything when all three are empty."""
-
-    run_ids: frozenset[uuid.UUID] = frozenset()
-    requested_by: str | None = None
-    schedule_ids: frozenset[uuid.UUID] = frozenset()
-
-    @property
-    def everything(self) -> bool:
-        return not self.run_ids and not self.requested_by and not self.schedule_ids
-
-
-@dataclass(frozen=True)
-class RunRow:
-    id: uuid.UUID
-    binding_id: uuid.UUID
-    status: str
-    created_at: datetime
-    finished_at: datetime | None
-    cancel_requested_at: datetime | None
-    schedule_id: uuid.UUID | None
-    scheduled_for: datetime | None
-
-
-@dataclass(frozen=True)
-class AttemptRow:
-    id: uuid.UUID
-    run_id: uuid.UUID
-    number: int
-    origin: str
-    status: str
-    reason: str | None
-    worker_id: str | None
-    lease_token: int | None
-    lease_until: datetime | None
-    created_at: datetime
-    claimed_at: datetime | None
-    finished_at: datetime | None
-
-
-@dataclass(frozen=True)
-class BindingRow:
-    id: uuid.UUID
-    max_attempts: int
-    source_kind: str
-    source_spec: dict[str, Any]
-    sink_id: uuid.UUID
-    sink_kind: str
-    sink_spec: dict[str, Any]
-    source_id: uuid.UUID | None = None
-
-
-@dataclass
-class State:
-    """What the checks read: the runs in scope, their attempts and their bindings."""
-
-    scope: Scope
-    runs: dict[uuid.UUID, RunRow] = field(default_factory=dict)
-    attempts: dict[uuid.UUID, list[AttemptRow]] = field(default_factory=dict)
-    bindings: dict[uuid.UUID, BindingRow] = field(default_factory=dict)
-    db_now: datetime | None = None
-    # Runs finished up to here may have been deleted by retention (dispatch.ops.retention).
-    pruned_through: datetime | None = None
-
-    def attempts_of(self, run_id: uuid.UUID) -> list[AttemptRow]:
-        return self.attempts.get(run_id, [])
 
 
 @dataclass
@@ -119,8 +67,8 @@ class Report:
     violations: list[Violation] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)
-    # The incremental bindings checked (dispatch.verify.incremental.IncrementalSink).
-    incremental: list[Any] = field(default_factory=list)
+    # The incremental bindings checked.
+    incremental: list[IncrementalSink] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -146,71 +94,6 @@ class Report:
         return "\n".join(lines)
 
 
-# --- reading ------------------------------------------------------------------------------
-def _rows(sql_text: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-    with connection.cursor() as cursor:
-        cursor.execute(sql_text, params)
-        return list(cursor.fetchall())
-
-
-def _json(value: Any) -> dict[str, Any]:
-    # Django's cursor hands jsonb back as text (its JSONField decodes it, not the driver).
-    decoded = json.loads(value) if isinstance(value, str) else value
-    return decoded if isinstance(decoded, dict) else {}
-
-
-def load(scope: Scope) -> State:
-    """Read the runs in scope, their attempts and bindings (one statement each)."""
-    state = State(scope=scope)
-    state.db_now = _rows("SELECT now()", {})[0][0]
-    state.pruned_through = retention.pruned_through()
-    for row in _rows(
-        "SELECT id, binding_id, status, created_at, finished_at, cancel_requested_at,"
-        "       schedule_id, scheduled_for"
-        "  FROM dispatch_run r"
-        " WHERE %(all)s OR r.id = ANY(%(ids)s::uuid[]) OR r.requested_by = %(tag)s"
-        "    OR r.schedule_id = ANY(%(schedules)s::uuid[])",
-        {
-            "all": scope.everything,
-            "ids": list(scope.run_ids),
-            "tag": scope.requested_by,
-            "schedules": list(scope.schedule_ids),
-        },
-    ):
-        state.runs[row[0]] = RunRow(*row)
-    run_ids = list(state.runs)
-    for row in _rows(
-        "SELECT id, run_id, number, origin, status, reason, worker_id, lease_token,"
-        "       lease_until, created_at, claimed_at, finished_at"
-        "  FROM dispatch_attempt WHERE run_id = ANY(%(runs)s::uuid[])"
-        " ORDER BY run_id, number",
-        {"runs": run_ids},
-    ):
-        state.attempts.setdefault(row[1], []).append(AttemptRow(*row))
-    binding_ids = list({r.binding_id for r in state.runs.values()})
-    for row in _rows(
-        "SELECT b.id, j.max_attempts, src.kind, j.source_spec, snk.id, snk.kind, j.sink_spec,"
-        "       src.id"
-        "  FROM dispatch_jobbinding b JOIN dispatch_job j ON j.id = b.job_id"
-        "  JOIN dispatch_datasource src ON src.id = b.source_id"
-        "  JOIN dispatch_datasource snk ON snk.id = b.sink_id"
-        " WHERE b.id = ANY(%(ids)s::uuid[])",
-        {"ids": binding_ids},
-    ):
-        b_id, max_attempts, source_kind, source_spec, sink_id, sink_kind, sink_spec, src = row
-        state.bindings[b_id] = BindingRow(
-            b_id,
-            max_attempts,
-            source_kind,
-            _json(source_spec),
-            sink_id,
-            sink_kind,
-            _json(sink_spec),
-            src,
-        )
-    return state
-
-
 # --- runs -----------------------------------------------------------------------------------
 def check_expected_runs_exist(state: State) -> list[Violation]:
     """Every run id the caller created is in the database (none lost)."""
@@ -220,11 +103,32 @@ def check_expected_runs_exist(state: State) -> list[Violation]:
     ]
 
 
+def waits_behind_auto_disable(state: State, run: RunRow) -> bool:
+    """The run waits, as it should, behind a binding the product disabled itself: the
+    health scan moved the binding's health row to AUTO_DISABLED with a reason and disabled
+    the binding (dispatch.ops.alerts), and the run's latest attempt is PENDING and marked
+    BINDING_DISABLED, so no worker claims it until an operator enables the binding."""
+    binding = state.bindings.get(run.binding_id)
+    attempts = state.attempts_of(run.id)
+    return (
+        binding is not None
+        and not binding.enabled
+        and binding.health_state == HealthState.AUTO_DISABLED
+        and bool(binding.health_reason.strip())
+        and run.status == Status.PENDING
+        and bool(attempts)
+        and attempts[-1].status == Status.PENDING
+        and attempts[-1].blocked_reason == BlockedReason.BINDING_DISABLED
+    )
+
+
 def check_runs_terminal(state: State) -> list[Violation]:
-    """After quiescence every run is SUCCEEDED, FAILED or CANCELLED (none stuck)."""
+    """After quiescence every run is SUCCEEDED, FAILED or CANCELLED (none stuck), except
+    a run waiting behind a binding the product auto-disabled (`waits_behind_auto_disable`):
+    that is the product's promise, not a stuck run."""
     found = []
     for run in state.runs.values():
-        if run.status not in TERMINAL_RUN_STATUSES:
+        if run.status not in TERMINAL_RUN_STATUSES and not waits_behind_auto_disable(state, run):
             live = [a for a in state.attempts_of(run.id) if a.status in Status.values]
             last = live[-1] if live else None
             detail = (
@@ -441,22 +345,7 @@ def _sink_bindings(state: State) -> dict[tuple[uuid.UUID, str], list[BindingRow]
     return grouped
 
 
-@contextlib.contextmanager
-def _sink_connection(datasource_id: uuid.UUID) -> Iterator[Any]:
-    from dispatch.connectors import postgresql
-    from dispatch.models import Datasource
-
-    config = Datasource.objects.get(pk=datasource_id).config
-    conn = postgresql.connect(config, what="invariant check")
-    try:
-        yield conn
-    finally:
-        conn.close()
-
-
 def _table_values(conn: Any, schema: str | None, name: str) -> Counter[str]:
-    from psycopg import sql
-
     table = sql.Identifier(schema, name) if schema else sql.Identifier(name)
     return Counter(
         r[0] for r in conn.execute(sql.SQL("SELECT t::text FROM {} t").format(table)).fetchall()
@@ -484,10 +373,6 @@ def load_sinks(state: State, *, values: bool = False) -> list[SinkTable]:
     a binding in scope writes to; with `values`, every row's text in the sink and in its
     source table (which must not change meanwhile). Sink errors become `SinkTable.error`
     (a violation)."""
-    from psycopg import sql
-
-    from dispatch.connectors import postgresql
-
     tables: list[SinkTable] = []
     for (datasource_id, spec_table), bindings in sorted(
         _sink_bindings(state).items(), key=lambda kv: (str(kv[0][0]), kv[0][1])
@@ -504,7 +389,7 @@ def load_sinks(state: State, *, values: bool = False) -> list[SinkTable]:
         sink.rows_per_run = next(iter(sizes)) if len(sizes) == 1 else None
         tables.append(sink)
         try:
-            with _sink_connection(datasource_id) as conn:
+            with sink_access.connect(datasource_id) as conn:
                 if not sink.schema:
                     sink.schema = conn.execute("SELECT current_schema()").fetchone()[0]
                 fence = sql.SQL("{}.{}").format(
@@ -545,10 +430,10 @@ def load_sinks(state: State, *, values: bool = False) -> list[SinkTable]:
                         _table_values(conn, sink.schema, name) if exists[1] else Counter()
                     )
             if source is not None:
-                with _sink_connection(source[0]) as conn:
+                with sink_access.connect(source[0]) as conn:
                     sink.source_values = _table_values(conn, *postgresql.parse_table(source[1]))
-        except Exception as exc:  # noqa: BLE001 - a sink we cannot read is reported, not fatal
-            sink.error = " ".join(str(exc).split())[:300] or type(exc).__name__
+        except sink_access.SINK_ERRORS as exc:  # a sink we cannot read is reported
+            sink.error = sink_access.error_text(exc)
     return tables
 
 
@@ -646,120 +531,6 @@ def check_sink_rows(state: State, sinks: list[SinkTable]) -> list[Violation]:
     return found
 
 
-# --- schedules ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ScheduleRow:
-    id: uuid.UUID
-    cron: str
-    timezone: str
-    enabled: bool
-    created_at: datetime
-    next_fire_at: datetime | None
-    skip_count: int
-    # scheduled_for -> how many runs were created for that slot.
-    fired: dict[datetime, int]
-
-
-def _schedule_table_exists() -> bool:
-    return "scheduling_schedule" in connection.introspection.table_names()
-
-
-def load_schedules(state: State) -> list[ScheduleRow]:
-    """The schedules in scope with the runs each slot created (all of them, not only the
-    runs in scope). Empty when the scheduling app is not installed."""
-    if not _schedule_table_exists():
-        return []
-    scope = state.scope
-    rows = _rows(
-        "SELECT s.id, s.cron, s.timezone, s.enabled, s.created_at, s.next_fire_at, s.skip_count"
-        "  FROM scheduling_schedule s"
-        " WHERE %(all)s OR s.id = ANY(%(ids)s::uuid[])",
-        {"all": scope.everything, "ids": list(scope.schedule_ids)},
-    )
-    fired: dict[uuid.UUID, dict[datetime, int]] = defaultdict(dict)
-    for schedule_id, slot, count in _rows(
-        "SELECT schedule_id, scheduled_for, count(*) FROM dispatch_run"
-        " WHERE schedule_id = ANY(%(ids)s::uuid[]) GROUP BY 1, 2",
-        {"ids": [r[0] for r in rows]},
-    ):
-        fired[schedule_id][slot] = count
-    return [
-        ScheduleRow(
-            id=r[0],
-            cron=r[1],
-            timezone=r[2],
-            enabled=r[3],
-            created_at=r[4],
-            next_fire_at=r[5],
-            skip_count=r[6],
-            fired=fired[r[0]],
-        )
-        for r in rows
-    ]
-
-
-def slots_between(schedule: ScheduleRow, start: datetime, end: datetime) -> list[datetime]:
-    """The schedule's slots s with start < s < end."""
-    from scheduling.cron import Slots
-
-    slots = Slots(schedule.cron, schedule.timezone)
-    out: list[datetime] = []
-    cursor = start
-    while len(out) < MAX_SLOTS:
-        cursor = slots.next_after(cursor)
-        if cursor >= end:
-            break
-        out.append(cursor)
-    return out
-
-
-def check_schedule_slots(state: State, schedules: list[ScheduleRow]) -> list[Violation]:
-    """Every slot fired at most once, only at a real slot of its cron, and every slot that
-    came due since the schedule was created (those before `next_fire_at`) fired exactly
-    once unless a recorded skip (disabled binding or job, overlap or misfire policy)
-    accounts for it."""
-    found = []
-    for s in schedules:
-        subject = f"schedule {s.id} ({s.cron} {s.timezone})"
-        for slot, count in s.fired.items():
-            if count > 1:
-                found.append(
-                    Violation(
-                        "schedule_slots", subject, f"slot {slot.isoformat()} fired {count} times"
-                    )
-                )
-        if s.next_fire_at is None:
-            continue
-        # Registration sets next_fire_at to the first slot after the schedule's creation;
-        # every slot before the current next_fire_at has been handled by a reconciler.
-        due = slots_between(s, s.created_at - timedelta(microseconds=1), s.next_fire_at)
-        due_set = set(due)
-        extra = sorted(slot for slot in s.fired if slot not in due_set and slot < s.next_fire_at)
-        for slot in extra:
-            found.append(
-                Violation(
-                    "schedule_slots", subject, f"a run for {slot.isoformat()}, not a due slot"
-                )
-            )
-        # Retention deletes old runs (never a schedule's latest): a slot that finished no
-        # later than the newest pruned run may have lost its run to it.
-        missing = [
-            slot
-            for slot in due
-            if slot not in s.fired and (state.pruned_through is None or slot > state.pruned_through)
-        ]
-        if len(missing) > s.skip_count:
-            found.append(
-                Violation(
-                    "schedule_slots",
-                    subject,
-                    f"{len(missing)} due slot(s) without a run but only {s.skip_count} recorded "
-                    f"skip(s); first missing {missing[0].isoformat()}",
-                )
-            )
-    return found
-
-
 # --- all together ---------------------------------------------------------------------------
 RUN_CHECKS: tuple[Callable[[State], list[Violation]], ...] = (
     check_expected_runs_exist,
@@ -801,7 +572,7 @@ def check_sink_values(state: State, sinks: list[SinkTable]) -> list[Violation]:
     return found
 
 
-def check_incremental(items: list[Any]) -> list[Violation]:
+def check_incremental(items: list[IncrementalSink]) -> list[Violation]:
     """Each incremental binding's cursor chain and rows (dispatch.verify.incremental):
     append holds every row version a committed snapshot held exactly once and nothing
     else; upsert equals the source at the committed cursor."""
@@ -816,6 +587,15 @@ def check_incremental(items: list[Any]) -> list[Violation]:
 def notes_for(state: State, sinks: list[SinkTable]) -> list[str]:
     """Facts worth reading that are not violations."""
     notes = []
+    waiting = Counter(
+        run.binding_id for run in state.runs.values() if waits_behind_auto_disable(state, run)
+    )
+    for binding_id, count in sorted(waiting.items(), key=lambda kv: str(kv[0])):
+        binding = state.bindings[binding_id]
+        notes.append(
+            f"{count} run(s) wait behind binding {binding.name or binding_id}, disabled by "
+            f"the health scan ({binding.health_reason})"
+        )
     for sink in sinks:
         if (
             sink.rows_per_run is None
@@ -840,20 +620,30 @@ def notes_for(state: State, sinks: list[SinkTable]) -> list[str]:
     return notes
 
 
+def app_checks() -> list[Callable[[State], Findings]]:
+    """The checks installed apps add for their own tables, in app order: an app's
+    `AppConfig.invariant_checks` names them (dotted paths of functions taking the loaded
+    `State` and returning `Findings`), so that dispatch runs them without importing the
+    app (scheduling's slots: `scheduling.verify.check`)."""
+    found: list[Callable[[State], Findings]] = []
+    for config in apps.get_app_configs():
+        found.extend(import_string(path) for path in getattr(config, "invariant_checks", ()))
+    return found
+
+
 def check(
     scope: Scope = Scope(),  # noqa: B008 - frozen, immutable
     *,
     sinks: bool = True,
-    schedules: bool = True,
+    installed_apps: bool = True,
     values: bool = False,
     history: Mapping[str, str] | None = None,
 ) -> Report:
-    """Run every check over the scope; the report lists violations and counts. With
-    `values`, sinks fed by a PostgreSQL table are compared with it value by value (the
-    source tables must not change meanwhile). `history` maps an incremental binding's
-    source table to the relation holding its every version (invariants_incremental)."""
-    from dispatch.verify import incremental as invariants_incremental
-
+    """Run every check over the scope, then the installed apps' own (`app_checks`, unless
+    `installed_apps` is false); the report lists violations and counts. With `values`,
+    sinks fed by a PostgreSQL table are compared with it value by value (the source tables
+    must not change meanwhile). `history` maps an incremental binding's source table to
+    the relation holding its every version (dispatch.verify.incremental)."""
     state = load(scope)
     report = Report()
     for check_fn in RUN_CHECKS:
@@ -866,17 +656,22 @@ def check(
     report.violations.extend(check_incremental(incremental))
     report.notes.extend(n for item in incremental for n in item.notes)
     report.incremental = incremental
-    schedule_rows = load_schedules(state) if schedules else []
-    report.violations.extend(check_schedule_slots(state, schedule_rows))
+    for app_check in app_checks() if installed_apps else []:
+        findings = app_check(state)
+        report.violations.extend(findings.violations)
+        report.counts.update(findings.counts)
+        report.notes.extend(findings.notes)
     report.notes.extend(notes_for(state, sink_tables))
     report.counts.update(
         runs=len(state.runs),
         attempts=sum(len(a) for a in state.attempts.values()),
         sink_tables=len(sink_tables),
         incremental_bindings=len(incremental),
-        schedules=len(schedule_rows),
         **Counter(r.status.lower() for r in state.runs.values()),
     )
+    waiting = sum(1 for run in state.runs.values() if waits_behind_auto_disable(state, run))
+    if waiting:
+        report.counts["waiting_auto_disabled"] = waiting
     return report
 
 

@@ -81,3 +81,10 @@ SELECT EXTRACT(EPOCH FROM (min(next_fire_at) - clock_timestamp()))::float8
 
 -- name: unregistered_exists
 SELECT EXISTS (SELECT 1 FROM scheduling_schedule WHERE enabled AND next_fire_at IS NULL);
+
+-- name: notify_in_transaction
+-- The schedule wake-up when the caller is inside a transaction (scheduling.wakeup):
+-- PostgreSQL queues it in that transaction and delivers it at its commit, never on a
+-- rollback. No set_config('synchronous_commit', ...) here, unlike dispatch's `notify`:
+-- inside the caller's transaction it would weaken that transaction's own commit.
+SELECT pg_notify(%(channel)s, %(payload)s);

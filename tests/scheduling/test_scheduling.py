@@ -4,29 +4,35 @@ command and the admin."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import UTC, datetime, timedelta
 from io import StringIO
 from typing import Any
 from zoneinfo import ZoneInfo
 
+import psycopg
 import pytest
 from django.contrib import admin
 from django.contrib.auth.models import Permission, User
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, transaction
+from django.db.models import F
 from django.test import Client, RequestFactory, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
+from psycopg import sql
 
+from dispatch import sqlfiles as dispatch_sqlfiles
 from dispatch.models import Job, JobBinding, Run
 from dispatch.states import Status, Trigger
 from dispatch.worker import claims
 from scheduling import admin as sched_admin
-from scheduling import cron
+from scheduling import conf, cron, sqlfiles, wakeup
 from scheduling.models import MisfirePolicy, OverlapPolicy, Schedule, SkipReason, db_now
 from scheduling.reconciler import Fired, ScheduleReconciler, Skipped
+from tests.conftest import ROOT, test_database_url
 from tests.support.factories import BindingFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -487,6 +493,66 @@ def test_admin_changelist__shows_upcoming_times_and_last_run_without_n_plus_1(
     (run,) = runs_of(first)
     assert str(run.pk)[:8] in page
     assert page.count("02:30 CET") + page.count("02:30 CEST") >= 5
+
+
+# --- the wake-up ----------------------------------------------------------------------------------
+def test_wakeup__inside_a_transaction_is_delivered_at_its_commit_never_after_a_rollback() -> None:
+    with psycopg.connect(test_database_url(), autocommit=True) as listener:
+        listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(conf.schedule_channel())))
+        with pytest.raises(RuntimeError), transaction.atomic():
+            wakeup.notify("rolled-back")
+            raise RuntimeError("the caller's transaction fails")
+        with transaction.atomic():
+            wakeup.notify("committed")
+        wakeup.notify("outside")
+        # Delivered in commit order: the rolled-back one would have come first.
+        got = [n.payload for n in listener.notifies(timeout=10, stop_after=2)]
+    assert got == ["committed", "outside"]
+
+
+def test_wakeup__a_missing_statement_raises_instead_of_being_swallowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def missing(name: str) -> str:
+        raise KeyError(f"no statement named {name!r}")
+
+    monkeypatch.setattr(sqlfiles, "query", missing)
+    with pytest.raises(KeyError, match="notify_in_transaction"), transaction.atomic():
+        wakeup.notify(uuid.uuid4())
+
+
+def test_wakeup__a_database_error_is_logged_and_the_callers_transaction_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    schedule = make()
+    # PostgreSQL refuses a channel name of 64 bytes or more (system check scheduling.E001).
+    with override_settings(DISPATCH_SCHEDULE_CHANNEL="x" * 100), transaction.atomic():
+        Schedule.objects.filter(pk=schedule.pk).update(skip_count=7)
+        wakeup.notify(schedule.pk)
+        Schedule.objects.filter(pk=schedule.pk).update(skip_count=F("skip_count") + 1)
+    assert Schedule.objects.get(pk=schedule.pk).skip_count == 8
+    assert f"schedule wake-up not sent schedule={schedule.pk}" in caplog.text
+
+
+def test_every_statement_name_scheduling_uses_exists_and_is_valid_sql() -> None:
+    """A name the code asks for has its statement (a missing one is a KeyError at run
+    time), and every statement of scheduling/sql/queries.sql plans against the schema."""
+    own_names: set[str] = set()
+    dispatch_names: set[str] = set()
+    for path in (ROOT / "scheduling").rglob("*.py"):
+        text = path.read_text()
+        dispatch_names |= set(re.findall(r'dispatch_sqlfiles\.query\(\s*"(\w+)"', text))
+        own_names |= set(
+            re.findall(r'(?<!dispatch_)(?:sqlfiles\.query|_execute|_guarded)\(\s*"(\w+)"', text)
+        )
+    assert {"due_schedule", "record_fire", "notify_in_transaction"} <= own_names
+    assert dispatch_names == {"notify"}
+    assert own_names <= set(sqlfiles.query_names()), own_names - set(sqlfiles.query_names())
+    assert dispatch_names <= set(dispatch_sqlfiles.query_names())
+    with connection.cursor() as cursor:
+        for name in sqlfiles.query_names():
+            # EXPLAIN plans without executing: tables, columns and functions exist.
+            cursor.execute("EXPLAIN " + re.sub(r"%\((\w+)\)s", "NULL", sqlfiles.query(name)))
 
 
 # --- system checks --------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Reconcilers as real processes: three racing over the same due schedules, the loop's
-wake-up on a saved schedule and its prompt stop, and `runworker --scheduler` running a
-scheduled run to the end."""
+wake-up on a saved schedule (through the admin, or asked for inside a transaction) and its
+prompt stop, and `runworker --scheduler` running a scheduled run to the end."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ from collections import Counter
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models.functions import Now
+from django.test import Client
+from django.urls import reverse
 
 from dispatch.models import Run
 from dispatch.states import Status, Trigger
-from scheduling import conf
+from scheduling import conf, wakeup
 from scheduling.models import OverlapPolicy, Schedule, db_now
 from tests.support.factories import BindingFactory
 from tests.support.processes import ROOT, Processes, wait_until, worker_env
@@ -37,6 +39,20 @@ def listening(count: int) -> bool:
         )
         (n,) = cursor.fetchone()
     return n >= count
+
+
+def reconciler_asleep() -> bool:
+    """A reconciler's working connection is idle after the last statement of its pass (the
+    sleep's `next_due_in`): it waits on its LISTEN socket until a notification or the end
+    of its bounded sleep."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND state = 'idle'"
+            " AND query LIKE '%%min(next_fire_at) - clock_timestamp()%%'"
+        )
+        (n,) = cursor.fetchone()
+    return n >= 1
 
 
 def wake_reconcilers() -> None:
@@ -135,6 +151,50 @@ def test_reconcile_loop__wakes_on_a_saved_schedule_and_stops_promptly(processes:
     out = Processes.output(proc)
     assert "schedule reconciler stopped" in out
     print(f"\nwoken in {woke_in:.2f}s; stopped in {time.monotonic() - stopped:.2f}s")
+
+
+@pytest.mark.parametrize("way", ["admin", "inside_a_transaction"])
+def test_reconcile_loop__woken_within_a_second_by_a_schedule_written_in_a_transaction(
+    processes: Processes, admin_client: Client, way: str
+) -> None:
+    # A yearly slot: once registered, the loop sleeps its full bound (30 s) unless woken.
+    schedule = Schedule.objects.create(binding=BindingFactory(), cron="0 0 1 1 *", timezone="UTC")
+    due = schedule.slots().latest_at_or_before(db_now())
+    assert due is not None
+    processes.manage("reconcile_schedules", "--loop")
+    wait_until(
+        lambda: listening(1) and reconciler_asleep(), timeout=30, message="the reconciler asleep"
+    )
+    if way == "admin":
+        # The slot came due (as time passing would make it), then an operator edits the
+        # schedule: the admin saves it inside its own transaction, keeping next_fire_at.
+        Schedule.objects.filter(pk=schedule.pk).update(next_fire_at=due)
+        response = admin_client.post(
+            reverse("admin:scheduling_schedule_change", args=[schedule.pk]),
+            {
+                "binding": str(schedule.binding_id),
+                "cron": schedule.cron,
+                "timezone": "UTC",
+                "enabled": "on",
+                "misfire_policy": "FIRE_ONCE",
+                "overlap_policy": "QUEUE",
+            },
+        )
+        assert response.status_code == 302, response.content.decode()[-2000:]
+    else:
+        # A write the caller announces inside its transaction: sent at its commit.
+        with transaction.atomic():
+            Schedule.objects.filter(pk=schedule.pk).update(next_fire_at=due)
+            wakeup.notify(schedule.pk)
+    committed = time.monotonic()
+    run = wait_until(
+        lambda: Run.objects.filter(schedule_id=schedule.pk, scheduled_for=due).first(),
+        timeout=1.0,
+        message="the woken reconciler's run for the due slot",
+    )
+    woke_in = time.monotonic() - committed
+    assert run.trigger == Trigger.SCHEDULE
+    print(f"\n{way}: the reconciler fired the due slot {woke_in:.3f}s after the commit")
 
 
 def test_runworker_scheduler__scheduled_run_succeeds(processes: Processes) -> None:

@@ -16,8 +16,10 @@ from django.core.management.base import CommandError
 from django.db import connection
 from django.test import override_settings
 
-from dispatch.models import Attempt, Run
-from dispatch.states import Origin, Reason, Status
+from dispatch.models import Attempt, JobBinding, Run
+from dispatch.models.ops import BindingHealth, HealthState
+from dispatch.ops import alerts
+from dispatch.states import BlockedReason, Origin, Reason, Status
 from dispatch.verify import invariants
 from dispatch.verify.invariants import Scope
 from dispatch.worker import claims
@@ -150,6 +152,86 @@ def test_check__reports_an_attempt_that_finished_after_its_successor_was_claimed
     report = invariants.check(scope_of(run))
     assert checks_failing(report) == {"stale_finish"}
     assert "after attempt 2 began" in report.render()
+
+
+def failed_run(binding: JobBinding) -> Run:
+    """A run of `binding` taken through the real claim and settlement to FAILED."""
+    run = trigger(binding)
+    (claimed,) = claims.claim("w-inv", run_id=run.id, limit=1, generic=False)
+    claims.settle(
+        claimed.attempt_id, claimed.lease_token, "PERMANENT", reason="PERMANENT_ERROR", error="x"
+    )
+    run.refresh_from_db()
+    assert run.status == Status.FAILED
+    return run
+
+
+@override_settings(
+    DISPATCH_HEALTH_SCAN_LAG=0.0, DISPATCH_WARN_FAILURES=0, DISPATCH_AUTO_DISABLE_FAILURES=2
+)
+def test_check__a_run_waiting_behind_a_binding_the_health_scan_disabled_is_no_violation() -> None:
+    binding = BindingFactory()
+    failed = [failed_run(binding), failed_run(binding)]
+    alerts.scan()  # the product's own auto-disable, at its threshold of 2
+    binding.refresh_from_db()
+    assert not binding.enabled
+    waiting = trigger(binding)
+    assert Attempt.objects.get(run=waiting).blocked_reason == BlockedReason.BINDING_DISABLED
+    report = invariants.check(scope_of(*failed, waiting))
+    assert report.ok, report.render()
+    assert report.counts["waiting_auto_disabled"] == 1 and report.counts["pending"] == 1
+    assert (
+        f"1 run(s) wait behind binding {binding.name}, disabled by the health scan "
+        "(auto-disabled: 2 consecutive failed runs (threshold 2))"
+    ) in report.render()
+
+
+def test_check__a_run_behind_a_disabled_binding_is_stuck_unless_the_product_disabled_it() -> None:
+    from tools.chaos import waiting_auto_disabled
+
+    binding = BindingFactory()
+    run = trigger(binding)
+    scope = scope_of(run)
+
+    def stuck() -> bool:
+        report = invariants.check(scope)
+        # The campaign's quiescence uses the same rule as a filter: it waits for this run.
+        return (
+            checks_failing(report) == {"run_not_terminal"}
+            and "waiting_auto_disabled" not in report.counts
+            and not Run.objects.filter(waiting_auto_disabled(), pk=run.pk).exists()
+        )
+
+    def waits() -> bool:
+        return (
+            invariants.check(scope).ok
+            and Run.objects.filter(waiting_auto_disabled(), pk=run.pk).exists()
+        )
+
+    # Disabled by an operator: no health row says the product did it.
+    JobBinding.objects.filter(pk=binding.pk).update(enabled=False)
+    assert Attempt.objects.get(run=run).blocked_reason == BlockedReason.BINDING_DISABLED
+    assert stuck()
+    health = BindingHealth.objects.create(
+        binding=binding, state=HealthState.WARNED, reason="warned: 20 consecutive failed runs"
+    )
+    assert stuck()
+    # AUTO_DISABLED, but without the reason the scan always records.
+    BindingHealth.objects.filter(pk=health.pk).update(state=HealthState.AUTO_DISABLED, reason="")
+    assert stuck()
+    BindingHealth.objects.filter(pk=health.pk).update(
+        reason="auto-disabled: 30 consecutive failed runs (threshold 30)"
+    )
+    assert waits()  # every condition holds
+    # The attempt is not marked (a claim could take it), or marked for something else.
+    for mark in (None, BlockedReason.JOB_DISABLED):
+        Attempt.objects.filter(run=run).update(blocked_reason=mark)
+        assert stuck(), mark
+    Attempt.objects.filter(run=run).update(blocked_reason=BlockedReason.BINDING_DISABLED)
+    assert waits()
+    # Enabled again (its health row not yet reset by a scan): the run must go on.
+    JobBinding.objects.filter(pk=binding.pk).update(enabled=True)
+    assert stuck()
 
 
 def test_check__scope_by_requested_by_tag() -> None:
@@ -297,6 +379,8 @@ def _schedule_model() -> Any:
 
 
 def test_check__schedule_slots_missing_and_bogus() -> None:
+    from scheduling import verify as schedule_checks
+
     schedule_model = _schedule_model()
     binding = BindingFactory()
     schedule = schedule_model(binding=binding, cron="* * * * *", timezone="UTC")
@@ -306,8 +390,10 @@ def test_check__schedule_slots_missing_and_bogus() -> None:
     schedule_model.objects.filter(pk=schedule.pk).update(
         created_at=schedule.next_fire_at - timedelta(minutes=10, seconds=30)
     )
-    slots = invariants.slots_between(
-        invariants.load_schedules(invariants.load(Scope(schedule_ids=frozenset({schedule.id}))))[0],
+    slots = schedule_checks.slots_between(
+        schedule_checks.load_schedules(
+            invariants.load(Scope(schedule_ids=frozenset({schedule.id})))
+        )[0],
         schedule.next_fire_at - timedelta(minutes=10, seconds=30),
         schedule.next_fire_at,
     )
@@ -318,6 +404,17 @@ def test_check__schedule_slots_missing_and_bogus() -> None:
     report = invariants.check(scope, sinks=False)
     assert "schedule_slots" in checks_failing(report)
     assert "8 due slot(s) without a run but only 0 recorded skip(s)" in report.render()
+    # The schedules' check is scheduling's, found through its AppConfig: the command's
+    # --schedule runs it, and a check without the installed apps' checks does not.
+    assert schedule_checks.check in invariants.app_checks()
+    out = io.StringIO()
+    with pytest.raises(SystemExit):
+        call_command("check_invariants", "--schedule", str(schedule.id), "--no-sinks", stdout=out)
+    assert "schedule_slots: 1" in out.getvalue() and "schedules=1" in out.getvalue()
+    assert "8 due slot(s) without a run" in out.getvalue()
+    without_apps = invariants.check(scope, sinks=False, installed_apps=False)
+    assert "schedule_slots" not in checks_failing(without_apps)
+    assert "schedules" not in without_apps.counts
     # Recorded skips account for the rest.
     schedule_model.objects.filter(pk=schedule.pk).update(skip_count=8)
     report = invariants.check(scope, sinks=False)
