@@ -195,11 +195,15 @@ class Module:
         return found if calls else None
 
 
-def statement_problems(modules: list[Module]) -> tuple[Counter[str], list[str]]:
+def statement_problems(
+    modules: list[Module], unused: dict[str, set[str]] | None = None
+) -> tuple[Counter[str], list[str]]:
     """(how many calls of each lookup were checked, what is wrong with them)."""
     checked: Counter[str] = Counter()
     problems: list[str] = []
     names = {lookup: set(names()) for lookup, (_, names) in LOOKUPS.items()}
+    if unused is not None:  # filled with what no lookup asks for
+        unused.update({lookup: set(n) for lookup, n in names.items()})
     for module in modules:
         for line, lookup, call in module.lookups():
             where = f"{module.path}:{line}"
@@ -215,6 +219,8 @@ def statement_problems(modules: list[Module]) -> tuple[Counter[str], list[str]]:
                 problems.append(f"{where}: cannot follow the statement name back ({exc})")
                 continue
             checked[lookup] += 1
+            if unused is not None:
+                unused[lookup] -= used
             sql_file = LOOKUPS[lookup][0]
             problems += [
                 f"{where}: no statement {name!r} in {sql_file}"
@@ -237,6 +243,15 @@ def test_statements__every_name_the_code_looks_up_is_a_statement_of_its_file():
     checked, problems = statement_problems(source_modules())
     assert set(checked) == set(LOOKUPS), "the check found no call of some lookup"
     assert problems == [], "\n".join(problems)
+
+
+def test_statements__every_statement_of_a_file_is_looked_up_by_the_code():
+    """No dead statements: each one in a `.sql` file is asked for by dispatch, scheduling
+    or the tools."""
+    unused: dict[str, set[str]] = {}
+    statement_problems(source_modules(), unused)
+    dead = {LOOKUPS[lookup][0]: sorted(n) for lookup, n in unused.items() if n}
+    assert dead == {}, dead
 
 
 def test_statements__the_check_follows_helpers_and_conditionals_and_flags_what_is_missing():
@@ -262,7 +277,7 @@ class Loop:
 def wake(inside):
     statement = "notify_nowhere" if inside else "notify"
     dispatch_sqlfiles.query(statement)
-    sqlfiles.query("db_now")
+    sqlfiles.query("due_schedule")
     sqlfiles.query("claim")
 
 guarded("claim")

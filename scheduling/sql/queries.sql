@@ -2,9 +2,6 @@
 -- scheduling.sqlfiles.query(); parameters are %(name)s placeholders. Every time comes from
 -- PostgreSQL's clock: now() is the start of the (short) transaction that runs them.
 
--- name: db_now
-SELECT now();
-
 -- name: due_schedule
 -- The oldest due schedule nobody else is firing, with its binding's and job's enabled
 -- flags. One transaction per schedule: the row lock (FOR UPDATE OF s) is held until the
@@ -78,9 +75,6 @@ UPDATE scheduling_schedule
 SELECT EXTRACT(EPOCH FROM (min(next_fire_at) - clock_timestamp()))::float8
   FROM scheduling_schedule
  WHERE enabled AND next_fire_at IS NOT NULL;
-
--- name: unregistered_exists
-SELECT EXISTS (SELECT 1 FROM scheduling_schedule WHERE enabled AND next_fire_at IS NULL);
 
 -- name: notify_in_transaction
 -- The schedule wake-up when the caller is inside a transaction (scheduling.wakeup):

@@ -32,8 +32,8 @@ from scheduling import admin as sched_admin
 from scheduling import conf, cron, sqlfiles, wakeup
 from scheduling.models import MisfirePolicy, OverlapPolicy, Schedule, SkipReason, db_now
 from scheduling.reconciler import Fired, ScheduleReconciler, Skipped
-from tests.conftest import ROOT, test_database_url
 from tests.support.factories import BindingFactory
+from tests.support.processes import ROOT, test_database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
