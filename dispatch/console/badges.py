@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     pass
 
 
-# --- display mappings (tests/test_admin_mappings.py checks each covers every state) ---
+# --- display mappings (tests/console/test_admin_mappings.py checks each covers every state) ---
 
 # Tone of a status badge: one CSS class per tone, colours for light and dark mode live in
 # admin/dispatch/includes/console_style.html.

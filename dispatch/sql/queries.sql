@@ -30,7 +30,7 @@ SELECT * FROM dispatch_heartbeat_v1(%(worker)s, %(attempts)s::uuid[], %(tokens)s
 
 -- name: live_workers
 -- Workers that heartbeated within %(stale)s seconds, are not stopped and reported a free
--- slot: the candidates of the notification ranking (dispatch.coordinator.rank).
+-- slot: the candidates of the notification ranking (dispatch.worker.admission, `rank`).
 SELECT id FROM dispatch_worker
  WHERE stopped_at IS NULL
    AND heartbeat_at > clock_timestamp() - make_interval(secs => %(stale)s)
