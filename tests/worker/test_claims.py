@@ -456,3 +456,22 @@ def test_functions__every_one_that_turns_sorts_off_turns_jit_off_too():
         rows = cursor.fetchall()
     assert {name for name, _ in rows} >= {"dispatch_claim_v5", "dispatch_release_capacity"}
     assert [name for name, config in rows if "jit=off" not in config] == []
+
+
+# --- one live attempt per run: the database refuses a second ------------------------------
+def test_database__refuses_a_second_live_attempt_of_a_run():
+    """`dispatch_attempt_one_live_per_run` (rebuilt by 0020 on databases that went through
+    0016, which dropped it): a run never has two PENDING or RUNNING attempts, whoever
+    writes them."""
+    from django.db import IntegrityError, transaction
+
+    run = trigger()
+    (first,) = attempts_of(run)
+    with pytest.raises(IntegrityError, match="one_live_per_run"), transaction.atomic():
+        Attempt.objects.create(
+            run=run,
+            number=first.number + 1,
+            origin=first.origin,
+            status=Status.PENDING,
+            available_at=first.available_at,
+        )
