@@ -61,6 +61,8 @@ def _rows(name: str, params: dict[str, Any] | None = None) -> list[tuple[Any, ..
 class DispatchCollector:
     """Reads the gauges from the database at each scrape."""
 
+    due_truncated = False  # the last scrape's due series left bindings out
+
     def collect(self) -> Iterator[Metric]:
         live = GaugeMetricFamily(
             "dispatch_runs", "Live runs by status (PENDING, RUNNING).", labels=["status"]
@@ -88,7 +90,8 @@ class DispatchCollector:
             "How long the oldest due, unblocked attempt has waited (0 when none).",
         )
         wait = 0.0
-        for binding, reason, n, age in _rows("metrics_due", {"limit": MAX_BINDINGS}):
+        due_rows, self.due_truncated = _capped("metrics_due")
+        for binding, reason, n, age in due_rows:
             due.add_metric([binding, reason], n)
             if reason == "NONE":
                 wait = max(wait, float(age))
@@ -145,7 +148,11 @@ class BindingCountersCollector:
     """The per-binding counters the maintenance loop folds in (dispatch.ops.binding_metrics):
     finished runs, attempts, rows moved, attempt duration and queue wait. One indexed
     read of at most `MAX_BINDINGS` rows; they lag finished runs by up to a health
-    interval (60 s by default)."""
+    interval (60 s by default). Collected after `dispatch` (registration order), it also
+    says whether that collector's due series were cut."""
+
+    def __init__(self, dispatch: DispatchCollector) -> None:
+        self.dispatch = dispatch
 
     def collect(self) -> Iterator[Metric]:
         runs = CounterMetricFamily(
@@ -174,7 +181,8 @@ class BindingCountersCollector:
             "How long each attempt of a finished run waited from due to claimed.",
             labels=["binding"],
         )
-        for name, stored in _rows("metrics_binding_counters", {"limit": MAX_BINDINGS}):
+        counter_rows, counters_cut = _capped("metrics_binding_counters")
+        for name, stored in counter_rows:
             c = binding_metrics.Counters.load(
                 json.loads(stored) if isinstance(stored, str) else stored
             )
@@ -187,6 +195,9 @@ class BindingCountersCollector:
             duration.add_metric([name], c.duration.cumulative(), c.duration.total)
             wait.add_metric([name], c.wait.cumulative(), c.wait.total)
         yield from (runs, attempts, read, written, duration, wait)
+        yield _truncated_gauge(
+            {"due": self.dispatch.due_truncated, "binding_counters": counters_cut}
+        )
 
         health = GaugeMetricFamily(
             "dispatch_bindings_by_health",
@@ -220,16 +231,40 @@ class BindingCountersCollector:
         yield alerts
 
 
+def _capped(name: str) -> tuple[list[tuple[Any, ...]], bool]:
+    """At most MAX_BINDINGS rows of a per-binding statement, and whether more exist (one
+    row more is read to tell)."""
+    rows = _rows(name, {"limit": MAX_BINDINGS + 1})
+    return rows[:MAX_BINDINGS], len(rows) > MAX_BINDINGS
+
+
+def _truncated_gauge(families: dict[str, bool]) -> GaugeMetricFamily:
+    gauge = GaugeMetricFamily(
+        "dispatch_metrics_series_truncated",
+        f"1 when a per-binding family shows only its first {MAX_BINDINGS} bindings (by name "
+        "for the counters, by count for the due attempts) and leaves the others out.",
+        labels=["family"],
+    )
+    for family, cut in families.items():
+        gauge.add_metric([family], 1.0 if cut else 0.0)
+    return gauge
+
+
 def registry() -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(DispatchCollector())  # type: ignore[arg-type]
-    reg.register(BindingCountersCollector())  # type: ignore[arg-type]
+    dispatch = DispatchCollector()
+    reg.register(dispatch)  # type: ignore[arg-type]
+    reg.register(BindingCountersCollector(dispatch))  # type: ignore[arg-type]
     return reg
+
+
+# Every binding's name and failure counts: as much as the run list shows.
+METRICS_PERMISSION = "dispatch.view_run"
 
 
 def _allowed(request: HttpRequest) -> bool:
     user = getattr(request, "user", None)
-    if user is not None and user.is_active and user.is_staff:
+    if user is not None and user.is_active and user.has_perm(METRICS_PERMISSION):
         return True
     token = conf.metrics_token()
     header = request.headers.get("Authorization", "")
@@ -238,7 +273,8 @@ def _allowed(request: HttpRequest) -> bool:
 
 @never_cache
 def metrics_view(request: HttpRequest) -> HttpResponse:
-    """The site's metrics: staff users, or a bearer token equal to DISPATCH_METRICS_TOKEN."""
+    """The site's metrics: users who may view runs (`dispatch.view_run`), or a bearer token
+    equal to DISPATCH_METRICS_TOKEN."""
     if not _allowed(request):
         return HttpResponse("forbidden\n", status=403, content_type="text/plain")
     return HttpResponse(generate_latest(registry()), content_type=CONTENT_TYPE_LATEST)

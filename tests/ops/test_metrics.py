@@ -4,7 +4,7 @@ with prometheus_client's own parser."""
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Permission, User
 from django.db import connection
 from django.test import override_settings
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,8 +24,21 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def test_metrics__refused_without_staff_or_token(client):
+def viewer(name: str) -> User:
+    """A staff user who may view runs: what the metrics need."""
+    user = User.objects.create_user(name, is_staff=True)
+    user.user_permissions.add(Permission.objects.get(codename="view_run"))
+    return user
+
+
+def test_metrics__refused_without_the_run_view_permission_or_the_token(client):
     assert client.get("/metrics").status_code == 403
+    # Staff alone is not enough: every binding's name and failure counts are on the page.
+    client.force_login(User.objects.create_user("staff-only", is_staff=True))
+    assert client.get("/metrics").status_code == 403
+    client.force_login(viewer("viewer"))
+    assert client.get("/metrics").status_code == 200
+    client.logout()
     with override_settings(DISPATCH_METRICS_TOKEN="t0ken"):
         assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer wrong").status_code == 403
         assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer t0ken").status_code == 200
@@ -52,7 +65,7 @@ def test_metrics__series_after_a_few_runs(client):
             # Still starting (its first probe not back yet): not counted as unhealthy.
             " ('w-s', 'h', 2, 1, '{\"listen_healthy\": 0, \"listen_state\": 0}')"
         )
-    client.force_login(User.objects.create_user("staff", is_staff=True))
+    client.force_login(viewer("staff"))
     response = client.get("/metrics")
     assert response.status_code == 200
     got = samples(response.content.decode())
@@ -106,7 +119,7 @@ def test_metrics__counters_and_histograms_folded_once_from_finished_runs(client)
 
     assert binding_metrics.fold() == 4  # two runs, their two attempts
     assert binding_metrics.fold() == 0  # nothing twice
-    client.force_login(User.objects.create_user("staff2", is_staff=True))
+    client.force_login(viewer("staff2"))
     got = samples(client.get("/metrics").content.decode())
     bl = ("binding", "b-fold")
     assert got[("dispatch_runs_finished_total", (bl, ("status", "SUCCEEDED")))] == 1
@@ -199,3 +212,39 @@ def test_metrics__a_run_retried_by_an_operator_counts_each_attempt_once():
     assert counters["runs"] == {"FAILED": 1, "SUCCEEDED": 1}
     assert (counters["rows_read"], counters["rows_written"]) == (110, 10)
     assert sum(counters["duration"]["counts"]) == 2
+
+
+def test_metrics__a_cut_per_binding_list_says_so(client, monkeypatch):
+    """Past MAX_BINDINGS bindings the per-binding series keep the first ones; a gauge says
+    which families were cut, so a binding pushed out is not silently unwatched."""
+    from dispatch.ops import metrics
+
+    monkeypatch.setattr(metrics, "MAX_BINDINGS", 2)
+    client.force_login(viewer("cut"))
+    bindings = [BindingFactory(name=f"b-cut-{i}") for i in range(2)]
+    for b in bindings:
+        trigger(b)  # due: one series each
+    with connection.cursor() as cursor:
+        for b in bindings:
+            cursor.execute(
+                "INSERT INTO dispatch_bindingmetrics (binding_id, counters) VALUES (%s, '{}')",
+                [b.pk],
+            )
+    got = samples(client.get("/metrics").content.decode())
+    assert got[("dispatch_metrics_series_truncated", (("family", "due"),))] == 0
+    assert got[("dispatch_metrics_series_truncated", (("family", "binding_counters"),))] == 0
+
+    third = BindingFactory(name="b-cut-2")
+    trigger(third)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO dispatch_bindingmetrics (binding_id, counters) VALUES (%s, '{}')",
+            [third.pk],
+        )
+    got = samples(client.get("/metrics").content.decode())
+    assert got[("dispatch_metrics_series_truncated", (("family", "due"),))] == 1
+    assert got[("dispatch_metrics_series_truncated", (("family", "binding_counters"),))] == 1
+    shown = {
+        dict(labels).get("binding") for (name, labels) in got if name == "dispatch_rows_read_total"
+    }
+    assert shown == {"b-cut-0", "b-cut-1"}
