@@ -16,7 +16,7 @@ from django.db import models, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
-from dispatch.security import crypto, jsondepth, limits
+from dispatch.security import crypto, jsondepth, limits, names
 from dispatch.security.jsondepth import BoundedJSONField
 from dispatch.states import (
     LIVE_STATUSES,
@@ -48,7 +48,7 @@ class Datasource(models.Model):
     """
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    name = models.CharField(max_length=200, unique=True)
+    name = models.CharField(max_length=200, unique=True, validators=[names.validate_name])
     kind = models.CharField(max_length=50, help_text="The connector kind, e.g. postgresql.")
     config_ciphertext = models.TextField(editable=False)
     # Non-secret fields of the config, for display; secret fields are replaced by a mask.
@@ -64,7 +64,8 @@ class Datasource(models.Model):
         ordering = ["name"]
         permissions = [("test_datasource", "Can test a datasource's connection")]
         constraints = [
-            jsondepth.depth_check("redacted_config", "dispatch_datasource_redacted_depth")
+            jsondepth.depth_check("redacted_config", "dispatch_datasource_redacted_depth"),
+            names.name_check("dispatch_datasource"),
         ]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -186,7 +187,7 @@ class Job(models.Model):
     """What to read and write, and how to retry."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    name = models.CharField(max_length=200, unique=True)
+    name = models.CharField(max_length=200, unique=True, validators=[names.validate_name])
     description = models.TextField(blank=True, default="")
     enabled = models.BooleanField(default=True)
     source_spec = BoundedJSONField(default=dict, blank=True)
@@ -226,6 +227,7 @@ class Job(models.Model):
             ("write_source_query", "Can write SQL queries that sources run (query specs)")
         ]
         constraints = [
+            names.name_check("dispatch_job"),
             models.CheckConstraint(
                 condition=Q(lease_seconds__gte=2), name="dispatch_job_lease_min"
             ),
@@ -283,7 +285,7 @@ class JobBinding(models.Model):
     """A job attached to one source and one sink datasource."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    name = models.CharField(max_length=200, unique=True)
+    name = models.CharField(max_length=200, unique=True, validators=[names.validate_name])
     job = models.ForeignKey(Job, on_delete=models.PROTECT, related_name="bindings")
     source = models.ForeignKey(Datasource, on_delete=models.PROTECT, related_name="source_bindings")
     sink = models.ForeignKey(Datasource, on_delete=models.PROTECT, related_name="sink_bindings")
@@ -309,6 +311,7 @@ class JobBinding(models.Model):
             models.CheckConstraint(
                 condition=Q(max_concurrency__gte=1), name="dispatch_binding_concurrency_min"
             ),
+            names.name_check("dispatch_jobbinding"),
         ]
 
     def __str__(self) -> str:
