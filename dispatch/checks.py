@@ -28,6 +28,7 @@ CHECK_IDS: dict[str, str] = {
     "dispatch.E012": "a DISPATCH_CONNECTORS entry does not import or is not a Connector",
     "dispatch.E013": "the dispatch/scheduling migrations are not all applied (runworker refuses)",
     "dispatch.E014": "DISPATCH_ALERT_WEBHOOKS or DISPATCH_ALERT_WEBHOOK_URL cannot be used",
+    "dispatch.E015": "DISPATCH_LISTEN_URL cannot be used (scheme, parse, host, port, sslmode)",
     "dispatch.W001": "DISPATCH_HEALTH_SCAN_LAG is shorter than DISPATCH_COORDINATION_TIMEOUT",
 }
 
@@ -191,6 +192,30 @@ def check_alert_webhooks(app_configs: Any = None, **kwargs: Any) -> list[Error]:
                 )
             )
     return errors
+
+
+@register()
+def check_listen_url(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """dispatch.E015: DISPATCH_LISTEN_URL is not a postgres:// URL libpq can use (it does
+    not parse, e.g. a bad percent-escape in the password; no host; a bad port or sslmode).
+    Workers and reconcilers would otherwise retry it, and log libpq's error, for ever. The
+    message names the setting and the problem, never the URL: it holds a password."""
+    url = conf.listen_url()
+    if not url:
+        return []
+    try:
+        conf.parse_listen_url(url)
+    except ValueError as exc:
+        return [
+            Error(
+                f"DISPATCH_LISTEN_URL cannot be used: {exc}.",
+                hint="Set it to postgres://USER:PASSWORD@HOST:PORT/NAME of the PostgreSQL "
+                "server itself, with special characters of the password percent-encoded "
+                "(%40 for @, %25 for %).",
+                id="dispatch.E015",
+            )
+        ]
+    return []
 
 
 @register()

@@ -92,6 +92,39 @@ def listen_url() -> str:
     return str(getattr(settings, "DISPATCH_LISTEN_URL", "") or "")
 
 
+SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+
+
+def parse_listen_url(url: str) -> dict[str, str]:
+    """The libpq parameters of a LISTEN URL. Raises ValueError saying what is wrong, never
+    quoting the URL: libpq's own parse errors quote the part that failed, which may be the
+    password (a bad percent-escape in it)."""
+    from psycopg import ProgrammingError
+    from psycopg.conninfo import conninfo_to_dict
+
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        raise ValueError("it holds whitespace or control characters")
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme.lower() not in ("postgres", "postgresql"):
+        raise ValueError("it must be a postgres:// or postgresql:// URL")
+    try:
+        parsed = conninfo_to_dict(url)
+    except ProgrammingError:
+        raise ValueError(
+            "it does not parse (a bad percent-escape, e.g. in the password, or an unknown "
+            "parameter)"
+        ) from None
+    params = {k: str(v) for k, v in parsed.items() if v is not None}
+    if not (params.get("host") or params.get("hostaddr")):
+        raise ValueError("it names no host")
+    for port in params.get("port", "").split(","):  # one per host; empty: the default
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError("its port is not a number from 1 to 65535")
+    if params.get("sslmode", "prefer") not in SSLMODES:
+        raise ValueError(f"its sslmode must be one of {', '.join(SSLMODES)}")
+    return params
+
+
 def listen_probe_interval() -> float:
     """Seconds of silence on the LISTEN connection after which a worker probes it."""
     return float(getattr(settings, "DISPATCH_LISTEN_PROBE_INTERVAL", 60.0))

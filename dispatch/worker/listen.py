@@ -34,7 +34,7 @@ log = logging.getLogger("dispatch.worker")
 
 # Connection options that tune the transport, copied from the default database's
 # settings onto a LISTEN connection opened from DISPATCH_LISTEN_URL. Identity (host, port,
-# database, user, password, TLS) comes from that URL alone.
+# database, user, password) comes from that URL alone.
 TRANSPORT_OPTIONS = (
     "connect_timeout",
     "keepalives",
@@ -45,19 +45,52 @@ TRANSPORT_OPTIONS = (
     "client_encoding",
 )
 
+# TLS and authentication options the LISTEN URL inherits from the default database's
+# settings unless it sets them itself: a URL that only names the server must not open in
+# plaintext (its password with it) what the site's own connections open over verified TLS.
+TLS_OPTIONS = (
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "sslpassword",
+    "sslcrl",
+    "sslcrldir",
+    "require_auth",
+)
 
-def connect(application_name: str) -> psycopg.Connection[Any]:
-    """A LISTEN connection of its own, in autocommit, never shared with other work."""
-    params = dict(connection.get_connection_params())
+
+def connection_params(application_name: str, site: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The libpq parameters of a LISTEN connection: `DISPATCH_LISTEN_URL`'s, with the
+    transport options of `site` (the default database's connection parameters) and its
+    TLS options where the URL has none; without a LISTEN URL, `site` itself. Raises
+    psycopg.ProgrammingError naming what is wrong with the URL, never quoting it."""
+    if site is None:
+        site = connection.get_connection_params()
+    params = dict(site)
     for key in ("cursor_factory", "context", "prepare_threshold", "server_side_binding"):
         params.pop(key, None)
     params["application_name"] = application_name[:63]
     url = conf.listen_url()
-    if url:
-        transport = {k: v for k, v in params.items() if k in TRANSPORT_OPTIONS}
-        transport["application_name"] = params["application_name"]
-        return psycopg.connect(url, autocommit=True, **transport)
-    return psycopg.connect(autocommit=True, **params)
+    if not url:
+        return params
+    try:
+        own = conf.parse_listen_url(url)
+    except ValueError as exc:
+        raise psycopg.ProgrammingError(f"DISPATCH_LISTEN_URL cannot be used: {exc}") from None
+    for key in TRANSPORT_OPTIONS:
+        if key in params:
+            own[key] = params[key]
+    for key in TLS_OPTIONS:
+        if key not in own and params.get(key) not in (None, ""):
+            own[key] = params[key]
+    own["application_name"] = params["application_name"]
+    return own
+
+
+def connect(application_name: str) -> psycopg.Connection[Any]:
+    """A LISTEN connection of its own, in autocommit, never shared with other work."""
+    return psycopg.connect(autocommit=True, **connection_params(application_name))
 
 
 def through_proxy(conn: psycopg.Connection[Any]) -> bool:
