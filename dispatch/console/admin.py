@@ -75,7 +75,7 @@ from dispatch.models import (
     Run,
     Worker,
 )
-from dispatch.security import crypto
+from dispatch.security import crypto, jsondepth
 from dispatch.states import LIVE_STATUSES, RETRYABLE_RUN_STATUSES, BlockedReason, Status, Trigger
 
 log = logging.getLogger("dispatch.console")
@@ -169,6 +169,10 @@ def _reset_cursor(request: HttpRequest, binding: JobBinding) -> ActionResult:
 
 def _set_cursor(request: HttpRequest, binding: JobBinding) -> ActionResult:
     raw = request.POST.get("value", "")
+    # Before parsing: json recurses once per level, so a few thousand `[` would raise
+    # RecursionError (a 500), not ValueError.
+    if jsondepth.text_too_deep(raw):
+        raise ActionRefused("BAD_CURSOR", f"the cursor {jsondepth.MESSAGE}")
     try:
         cursor = json.loads(raw)
     except ValueError:

@@ -83,8 +83,9 @@ REFUSAL_TEXT: dict[str, str] = {
     "ALREADY_DISABLED": "already disabled",
     "CONNECTION_FAILED": "connection failed",
 }
-# Refusals whose message is shown, not only the object's name.
-DETAILED_REFUSALS = frozenset({"CONNECTION_FAILED"})
+# Refusals whose message is shown, not only the object's name (a cursor's: our own text,
+# saying what was wrong with the value).
+DETAILED_REFUSALS = frozenset({"CONNECTION_FAILED", "BAD_CURSOR"})
 OUTCOME_TEXT: dict[str, str] = {
     services.Outcome.TRIGGERED: "triggered",
     services.Outcome.EXISTING: "already had a run",

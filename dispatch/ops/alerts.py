@@ -45,7 +45,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from dispatch import conf
-from dispatch.db import db_now
+from dispatch.db import db_now, storable
 from dispatch.models.ops import Alert, AlertKind, AlertStatus, BindingHealth, HealthState
 from dispatch.ops import binding_metrics
 from dispatch.ops.retention import begin_pass
@@ -457,7 +457,7 @@ def drain(*, limit: int = DRAIN_BATCH) -> int:
                     alert.notifier,
                     exc_info=True,
                 )
-            error = " ".join(str(exc).split())[:ERROR_CHARS] or type(exc).__name__
+            error = storable(" ".join(str(exc).split()))[:ERROR_CHARS] or type(exc).__name__
             final = alert.attempts >= conf.alert_max_attempts()
             delay = min(conf.alert_backoff() * 2 ** (alert.attempts - 1), 3600.0)
             Alert.objects.filter(pk=alert.pk).update(
@@ -533,6 +533,15 @@ def webhook_host(url: str) -> str:
         return "?"
 
 
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """No redirect is followed: urllib would turn the POST into a GET without its body
+    (301/302/303) and send the signature header to the new host. The 3xx then reaches the
+    default error handler and is an HTTPError like any other answer outside 2xx."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 def _send_webhook(alert: Alert, url: str, secret: str) -> None:
     if not url:
         raise ValueError("DISPATCH_ALERT_WEBHOOK_URL is not set")
@@ -547,10 +556,15 @@ def _send_webhook(alert: Alert, url: str, secret: str) -> None:
     host = webhook_host(url)
     try:
         request = urllib.request.Request(url, data=body, headers=headers, method="POST")
-        with urllib.request.urlopen(request, timeout=conf.alert_webhook_timeout()) as response:  # noqa: S310 - the site's own setting
+        # urlopen's handlers (proxies from the environment, http, https) but for redirects.
+        opener = urllib.request.build_opener(_RefuseRedirects)
+        with opener.open(request, timeout=conf.alert_webhook_timeout()) as response:
             status = response.status
     except urllib.error.HTTPError as exc:
-        raise RuntimeError(f"webhook at {host} answered HTTP {exc.code}") from None
+        exc.close()
+        # Never the Location: it is the redirecting server's to choose, and may carry a token.
+        redirect = " (a redirect: not followed)" if 300 <= exc.code < 400 else ""
+        raise RuntimeError(f"webhook at {host} answered HTTP {exc.code}{redirect}") from None
     except urllib.error.URLError as exc:
         # An OSError says what the network said; any other reason may quote the URL.
         detail = f": {exc.reason}" if isinstance(exc.reason, OSError) else ""

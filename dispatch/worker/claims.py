@@ -17,6 +17,7 @@ from typing import Any, ParamSpec, TypeVar
 from django.db import DatabaseError, connection, transaction
 
 from dispatch import deadline
+from dispatch.db import storable
 from dispatch.sqlfiles import query
 
 log = logging.getLogger("dispatch.worker")
@@ -134,7 +135,9 @@ def settle(
                 "token": token,
                 "outcome": outcome,
                 "reason": reason,
-                "error": error,
+                # Escaped here, where every settlement passes: a NUL would make
+                # PostgreSQL refuse the whole settlement and lose the outcome.
+                "error": None if error is None else storable(error),
                 "rows_read": rows_read,
                 "rows_written": rows_written,
             },
@@ -168,7 +171,9 @@ def settle_and_claim(
                 "token": token,
                 "outcome": outcome,
                 "reason": reason,
-                "error": error,
+                # Escaped here, where every settlement passes: a NUL would make
+                # PostgreSQL refuse the whole settlement and lose the outcome.
+                "error": None if error is None else storable(error),
                 "rows_read": rows_read,
                 "rows_written": rows_written,
                 "worker": worker_id,

@@ -28,7 +28,7 @@ from dispatch.connectors.base import (
     Stopped,
     copy_format,
 )
-from dispatch.db import DB_ERRORS, one_line
+from dispatch.db import DB_ERRORS, one_line, storable
 from dispatch.security import crypto
 from dispatch.states import Reason, Status
 from dispatch.worker import claims
@@ -224,12 +224,14 @@ _KEY_VALUE_SECRET = re.compile(
 
 
 def sanitize(text: str, secrets: list[str]) -> str:
-    """Strip secret values, URL credentials and password=... pairs from an error text."""
+    """Strip secret values, URL credentials and password=... pairs from an error text, and
+    escape what cannot be stored (`storable`), before cutting it to its length."""
     for secret in sorted((s for s in secrets if s), key=len, reverse=True):
         text = text.replace(secret, "********")
     text = _URL_CREDENTIALS.sub(r"\1********@", text)
     text = _KEY_VALUE_SECRET.sub(r"\1=********", text)
-    return text[:MAX_ERROR_CHARS]
+    # Escaped before the cut, so the stored text keeps its bound (an escape is longer).
+    return storable(text)[:MAX_ERROR_CHARS]
 
 
 def _secret_values(connector: Any, config: dict[str, Any]) -> list[str]:
