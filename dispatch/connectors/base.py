@@ -222,6 +222,20 @@ class Connector:
         raise NotImplementedError
 
 
+def spec_errors(connector: type[Connector], role: str, spec: Any) -> list[str]:
+    """What the connector's validator (the one the job and binding forms use) says of
+    `spec` as its `role` ("source" or "sink"), each message prefixed with the spec's name;
+    empty when valid."""
+    if role not in connector.roles:
+        return [f"a {connector.kind} datasource cannot be a {role}"]
+    validate = connector.validate_source_spec if role == "source" else connector.validate_sink_spec
+    try:
+        validate(spec)
+    except ValidationError as exc:
+        return [f"{role}_spec: {m}" for m in exc.messages]
+    return []
+
+
 def require_object(spec: Any, what: str = "spec") -> dict[str, Any]:
     if not isinstance(spec, dict):
         raise ValidationError(f"{what} must be a JSON object")

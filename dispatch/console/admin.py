@@ -465,8 +465,12 @@ def _attempt_count(group: str, **filters: Any) -> Coalesce:
 
 
 @admin.register(Datasource)
-class DatasourceAdmin(ConsoleAdmin):
+class DatasourceAdmin(querypermission.QueryPermissionAdmin, ConsoleAdmin):
     form = DatasourceForm
+    # Re-pointing a datasource a query binding reads needs the query permission
+    # (dispatch.security.sqlperm).
+    form_wrapper = staticmethod(querypermission.datasource_form)
+    guard = staticmethod(querypermission.guard_datasource_save)
     list_display = ["name", "kind", "enabled", "version", "updated_at"]
     list_filter = ["enabled", "kind"]
     search_fields = ["name", "kind"]

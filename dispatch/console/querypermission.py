@@ -10,8 +10,16 @@ from django import forms
 from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest
 
-from dispatch.models import Job, JobBinding
-from dispatch.security.sqlperm import MESSAGE, allowed, binding_needs, job_needs
+from dispatch.models import Datasource, Job, JobBinding
+from dispatch.security import crypto
+from dispatch.security.sqlperm import (
+    DATASOURCE_MESSAGE,
+    MESSAGE,
+    allowed,
+    binding_needs,
+    datasource_needs,
+    job_needs,
+)
 
 
 def job_form(form_class: type[forms.ModelForm], request: HttpRequest) -> type:  # type: ignore[type-arg]
@@ -51,6 +59,42 @@ def binding_form(form_class: type[forms.ModelForm], request: HttpRequest) -> typ
             return data
 
     return BindingQueryForm
+
+
+def _datasource_moves(obj: Datasource) -> list[str]:
+    """The target keys this (unsaved) datasource changes while a query binding reads it."""
+    if obj._state.adding or not obj.pk:
+        return []
+    found = Datasource.objects.filter(pk=obj.pk).first()
+    if found is None:
+        return []
+    try:
+        stored = found.config
+    except crypto.SnapshotUnreadable:
+        stored = {}  # nothing known of where it pointed: every key is a change
+    specs = JobBinding.objects.filter(source_id=obj.pk).values_list("job__source_spec", flat=True)
+    return datasource_needs(obj.config, stored, specs)
+
+
+def datasource_form(form_class: type[forms.ModelForm], request: HttpRequest) -> type:  # type: ignore[type-arg]
+    class DatasourceQueryForm(form_class):  # type: ignore[valid-type,misc]
+        def clean(self) -> dict[str, Any]:
+            data = super().clean()
+            # The form's clean() puts the submitted config on the instance when it is valid.
+            if self.errors:
+                return data
+            moved = _datasource_moves(self.instance)
+            if moved and not allowed(request):
+                self.add_error(None, DATASOURCE_MESSAGE.format(fields=", ".join(moved)))
+            return data
+
+    return DatasourceQueryForm
+
+
+def guard_datasource_save(request: HttpRequest, obj: Any, change: bool) -> None:
+    moved = _datasource_moves(obj) if change else []
+    if moved and not allowed(request):
+        raise PermissionDenied(DATASOURCE_MESSAGE.format(fields=", ".join(moved)))
 
 
 def guard_job_save(request: HttpRequest, obj: Any, change: bool) -> None:

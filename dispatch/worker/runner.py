@@ -27,6 +27,7 @@ from dispatch.connectors.base import (
     LeaseLost,
     Stopped,
     copy_format,
+    spec_errors,
 )
 from dispatch.db import DB_ERRORS, one_line, storable
 from dispatch.security import crypto
@@ -385,6 +386,16 @@ class Runner:
             sink = registry.get(c.sink_kind)
         except registry.UnknownKind as exc:
             return self.settle("PERMANENT", Reason.PERMANENT_ERROR, str(exc))
+        # A spec saved without the form's validation (from code, by an update) is checked
+        # here with the same validator before anything connects: a bad one fails for good,
+        # with the validator's words, instead of failing inside a connector as transient.
+        problems = spec_errors(source, "source", c.source_spec) + spec_errors(
+            sink, "sink", c.sink_spec
+        )
+        if problems:
+            return self.settle(
+                "PERMANENT", Reason.PERMANENT_ERROR, "invalid job spec: " + "; ".join(problems)
+            )
         self.secrets = _secret_values(source, source_config) + _secret_values(sink, sink_config)
         ctx = Context(self.control)
         try:
