@@ -173,7 +173,10 @@ class CursorReadPlan:
         return sql.SQL("ROW({})").format(
             sql.SQL(", ").join(
                 # The type text comes from format_type() on the source server.
-                sql.SQL("CAST(current_setting({}) AS {})").format(_guc(kind, i), sql.SQL(t))  # type: ignore[arg-type]
+                sql.SQL("CAST(pg_catalog.current_setting({}) AS {})").format(
+                    _guc(kind, i),
+                    sql.SQL(t),  # type: ignore[arg-type]
+                )
                 for i, t in enumerate(self.types)
             )
         )
@@ -189,7 +192,7 @@ class CursorReadPlan:
         conn.execute(
             sql.SQL("SELECT {}").format(
                 sql.SQL(", ").join(
-                    sql.SQL("set_config({}, %s, true)").format(_guc(kind, i))
+                    sql.SQL("pg_catalog.set_config({}, %s, true)").format(_guc(kind, i))
                     for i in range(len(values))
                 )
             ),
@@ -225,7 +228,7 @@ class CursorReadPlan:
             self._set(conn, "end", bounds.cursor)
         if start is not None and bounds.lookback_seconds is not None:
             conn.execute(
-                "SELECT set_config('dispatch.cursor_lookback', %s, true)",
+                "SELECT pg_catalog.set_config('dispatch.cursor_lookback', %s, true)",
                 [str(bounds.lookback_seconds)],
             )
         return bounds
@@ -246,8 +249,9 @@ class CursorReadPlan:
         if bounds.start is not None and bounds.lookback_seconds is not None:
             where.append(
                 sql.SQL(
-                    "{} > CAST(current_setting({}) AS {}) - make_interval(secs =>"
-                    " current_setting('dispatch.cursor_lookback')::int)"
+                    "{} > CAST(pg_catalog.current_setting({}) AS {}) OPERATOR(pg_catalog.-)"
+                    " pg_catalog.make_interval(secs =>"
+                    " pg_catalog.current_setting('dispatch.cursor_lookback')::pg_catalog.int4)"
                 ).format(
                     sql.Identifier(names[0]),
                     _guc("start", 0),
@@ -347,7 +351,7 @@ def commit_cursor(
         row = conn.execute(
             sql.SQL(
                 "INSERT INTO {} (binding_id, columns, cursor, version, run_id, attempt_id,"
-                " committed_at) VALUES (%s, %s, %s, 1, %s, %s, now())"
+                " committed_at) VALUES (%s, %s, %s, 1, %s, %s, pg_catalog.now())"
                 " ON CONFLICT (binding_id) DO NOTHING RETURNING version, committed_at"
             ).format(table),
             [binding_id, list(columns), cursor, run_id, attempt_id],
@@ -356,8 +360,8 @@ def commit_cursor(
         row = conn.execute(
             sql.SQL(
                 "UPDATE {} SET columns = %s, cursor = %s, version = version + 1, run_id = %s,"
-                " attempt_id = %s, committed_at = now() WHERE binding_id = %s AND version = %s"
-                " RETURNING version, committed_at"
+                " attempt_id = %s, committed_at = pg_catalog.now()"
+                " WHERE binding_id = %s AND version = %s RETURNING version, committed_at"
             ).format(table),
             [list(columns), cursor, run_id, attempt_id, binding_id, read.version],
         ).fetchone()
@@ -387,10 +391,11 @@ def set_committed(
         row = conn.execute(
             sql.SQL(
                 "INSERT INTO {t} AS c (binding_id, columns, cursor, version, committed_at)"
-                " VALUES (%s, %s, %s, 1, now()) ON CONFLICT (binding_id) DO UPDATE SET"
+                " VALUES (%s, %s, %s, 1, pg_catalog.now())"
+                " ON CONFLICT (binding_id) DO UPDATE SET"
                 " columns = EXCLUDED.columns, cursor = EXCLUDED.cursor,"
                 " version = c.version + 1, run_id = NULL, attempt_id = NULL,"
-                " committed_at = now()"
+                " committed_at = pg_catalog.now()"
                 " RETURNING binding_id, columns, cursor, version, run_id, attempt_id,"
                 " committed_at"
             ).format(t=cursor_table(schema)),

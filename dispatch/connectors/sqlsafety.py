@@ -8,6 +8,12 @@ catalog's (`public.format_type`), so every connector session gets a safe `search
 identifiers, numbers and `( ) , . [ ]`: no comment, no statement separator, no string) and
 the sink itself resolves it to a type (`::pg_catalog.regtype`, which parses exactly one type
 name and nothing else).
+
+Being behind `pg_catalog` does not protect a function call: lookup takes the closest
+signature from any schema on the path, so `its_schema.pg_has_role(name, regrole, text)`
+beats the catalog's `(name, oid, text)`. So every catalog function, operator and type the
+connectors send is schema-qualified (`pg_catalog.set_config`, `OPERATOR(pg_catalog.||)`),
+and the checks that read the catalog run under `catalog_only()` as well.
 """
 
 from __future__ import annotations
@@ -55,6 +61,19 @@ def set_safe_search_path(conn: psycopg.Connection[Any]) -> None:
     path = ", ".join([*(_quote(e) for e in kept), "pg_temp"])
     conn.execute("SELECT pg_catalog.set_config('search_path', %s, false)", [path])
     conn.commit()
+
+
+# Function and operator lookup takes the closest signature from every schema on the path
+# (the order only breaks ties); pg_temp is never searched for either, so this path leaves
+# the catalog alone.
+CATALOG_ONLY_SQL = "SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true)"
+
+
+def catalog_only(conn: psycopg.Connection[Any]) -> None:
+    """`SET LOCAL search_path = pg_catalog, pg_temp` for the rest of the current
+    transaction (begun here if none is open): a check of the catalog that a name left
+    unqualified by mistake still resolves in the catalog, never in the role's schemas."""
+    conn.execute(CATALOG_ONLY_SQL)
 
 
 def check_type_name(conn: psycopg.Connection[Any], column: str, type_text: str) -> str:

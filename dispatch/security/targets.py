@@ -144,9 +144,14 @@ def conninfo_refusals(params: dict[str, Any], *, from_url: bool) -> list[str]:
     return problems
 
 
+# Sent to the site's database and to every datasource (dispatch/connectors/postgresql/
+# connect.py): each name is schema-qualified, so a datasource's own functions cannot
+# answer for the catalog's (docs/security.md, "Catalog calls").
 SITE_FINGERPRINT_SQL = (
-    "SELECT current_database(), pg_postmaster_start_time()::text, "
-    "current_setting('port'), (SELECT oid FROM pg_database WHERE datname = current_database())"
+    "SELECT pg_catalog.current_database(),"
+    " pg_catalog.pg_postmaster_start_time()::pg_catalog.text,"
+    " pg_catalog.current_setting('port'), (SELECT d.oid FROM pg_catalog.pg_database d"
+    " WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())"
 )
 
 
@@ -167,14 +172,21 @@ PRIVILEGED_ROLES = (
     "pg_execute_server_program",
     "pg_signal_backend",
 )
+# Every function, operator and type is named with its schema (a role may define
+# `its_schema.pg_has_role(name, regrole, text)`, an exact match that would beat the
+# catalog's `(name, oid, text)` whatever the search_path order), and the reader runs it
+# under `search_path = pg_catalog, pg_temp` as well (sqlsafety.catalog_only).
 PRIVILEGED_ROLE_SQL = (
-    "SELECT current_user::text, "
-    "array_remove(ARRAY[CASE WHEN r.rolsuper THEN 'superuser' END, "
+    "SELECT current_user::pg_catalog.text, "
+    "pg_catalog.array_remove(ARRAY[CASE WHEN r.rolsuper THEN 'superuser' END, "
     "CASE WHEN r.rolcreaterole THEN 'CREATEROLE' END, "
-    "CASE WHEN r.rolbypassrls THEN 'BYPASSRLS' END] || ARRAY("
-    "SELECT g FROM unnest(%s::text[]) AS g "
-    "WHERE to_regrole(g) IS NOT NULL AND pg_has_role(current_user, g::regrole, 'MEMBER')), NULL) "
-    "FROM pg_catalog.pg_roles r WHERE r.rolname = current_user"
+    "CASE WHEN r.rolbypassrls THEN 'BYPASSRLS' END]::pg_catalog.text[] "
+    "OPERATOR(pg_catalog.||) ARRAY("
+    "SELECT g FROM pg_catalog.unnest(%s::pg_catalog.text[]) AS g "
+    "WHERE pg_catalog.to_regrole(g) IS NOT NULL "
+    "AND pg_catalog.pg_has_role(current_user, g::pg_catalog.regrole, 'MEMBER')"
+    "), NULL::pg_catalog.text) "
+    "FROM pg_catalog.pg_roles r WHERE r.rolname OPERATOR(pg_catalog.=) current_user"
 )
 
 

@@ -183,8 +183,10 @@ class _Canceller:
                     probe.execute("SELECT 1")
                     return "", ""
                 row = probe.execute(
-                    "SELECT state, wait_event, state_change::text, query_start::text"
-                    " FROM pg_catalog.pg_stat_activity WHERE pid = %s",
+                    # Qualified: this session skips set_safe_search_path.
+                    "SELECT state, wait_event, state_change::pg_catalog.text,"
+                    " query_start::pg_catalog.text FROM pg_catalog.pg_stat_activity"
+                    " WHERE pid OPERATOR(pg_catalog.=) %s",
                     [pid],
                 ).fetchone()
         except deadline.DeadlineExceeded:

@@ -251,6 +251,8 @@ def connect(config: dict[str, Any], *, what: str = "connect") -> psycopg.Connect
     if not targets.site_database_allowed():
         try:
             with _errors(secrets, what), deadline.guarded(conn, what, CONNECT_TIMEOUT_SECONDS):
+                # The rollback ends catalog_only() with the transaction.
+                sqlsafety.catalog_only(conn)
                 row = conn.execute(targets.SITE_FINGERPRINT_SQL).fetchone()
                 conn.rollback()
             if row is not None and tuple(str(v) for v in row) == targets.site_fingerprint():
@@ -271,11 +273,14 @@ def _set_timeouts(conn: psycopg.Connection[Any], spec: dict[str, Any]) -> int | 
     lock = int(spec.get("lock_timeout_seconds", DEFAULT_LOCK_TIMEOUT_SECONDS))
     row = conn.execute(
         "SELECT pg_catalog.pg_backend_pid(),"
-        " set_config('statement_timeout', %s, false), set_config('lock_timeout', %s, false),"
-        " set_config('idle_in_transaction_session_timeout', %s, false),"
+        " pg_catalog.set_config('statement_timeout', %s, false),"
+        " pg_catalog.set_config('lock_timeout', %s, false),"
+        " pg_catalog.set_config('idle_in_transaction_session_timeout', %s, false),"
         # Fixed output formats: the text COPY data of one session is read by another.
-        " set_config('DateStyle', 'ISO, MDY', false), set_config('IntervalStyle', 'postgres', false),"
-        " set_config('extra_float_digits', '3', false), set_config('bytea_output', 'hex', false)",
+        " pg_catalog.set_config('DateStyle', 'ISO, MDY', false),"
+        " pg_catalog.set_config('IntervalStyle', 'postgres', false),"
+        " pg_catalog.set_config('extra_float_digits', '3', false),"
+        " pg_catalog.set_config('bytea_output', 'hex', false)",
         [f"{statement}s", f"{lock}s", f"{statement}s"],
     ).fetchone()
     conn.commit()

@@ -9,7 +9,7 @@ from typing import Any
 import psycopg
 from psycopg import pq, sql
 
-from dispatch.connectors import incremental
+from dispatch.connectors import incremental, sqlsafety
 from dispatch.connectors.base import Batch, Column, PermanentError, TransferContext
 from dispatch.connectors.postgresql.cancel import _Canceller
 from dispatch.connectors.postgresql.connect import (
@@ -32,8 +32,11 @@ COPY_BLOCK_BYTES = 1 << 20
 def _check_least_privilege(conn: psycopg.Connection[Any]) -> None:
     """A `query` source runs arbitrary SQL: refuse a role that can do more than read
     tables (docs/security.md, "Source queries")."""
-    row = conn.execute(targets.PRIVILEGED_ROLE_SQL, [list(targets.PRIVILEGED_ROLES)]).fetchone()
-    conn.commit()
+    # Under catalog_only() as well as schema-qualified: the role owns its schemas on the
+    # session's path and may define functions there that would answer for the catalog's.
+    with conn.transaction():
+        sqlsafety.catalog_only(conn)
+        row = conn.execute(targets.PRIVILEGED_ROLE_SQL, [list(targets.PRIVILEGED_ROLES)]).fetchone()
     if row is None:
         return
     role, powers = row[0], [p for p in row[1] or [] if p]
@@ -107,10 +110,16 @@ class _Reader:
                 for row in self.conn.execute(
                     "SELECT coalesce(pg_catalog.format_type(a.atttypid, a.atttypmod),"
                     "                pg_catalog.format_type(t.oid, t.mod))"
-                    "  FROM unnest(%s::oid[], %s::int[], %s::oid[], %s::int[])"
+                    # ROWS FROM: the multi-argument unnest() shorthand takes no schema.
+                    "  FROM ROWS FROM (pg_catalog.unnest(%s::pg_catalog.oid[]),"
+                    "                  pg_catalog.unnest(%s::pg_catalog.int4[]),"
+                    "                  pg_catalog.unnest(%s::pg_catalog.oid[]),"
+                    "                  pg_catalog.unnest(%s::pg_catalog.int4[]))"
                     "       WITH ORDINALITY AS t(oid, mod, rel, att, n)"
                     "  LEFT JOIN pg_catalog.pg_attribute a"
-                    "    ON t.rel <> 0 AND a.attrelid = t.rel AND a.attnum = t.att"
+                    "    ON t.rel OPERATOR(pg_catalog.<>) 0"
+                    "   AND a.attrelid OPERATOR(pg_catalog.=) t.rel"
+                    "   AND a.attnum OPERATOR(pg_catalog.=) t.att"
                     "   AND NOT a.attisdropped"
                     " ORDER BY t.n",
                     [self.oids, mods, tables, attnums],

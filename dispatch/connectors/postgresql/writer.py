@@ -164,11 +164,14 @@ class _Writer:
         """The sink table's columns: name -> (exact type, type oid); None if missing."""
         assert self.conn is not None
         rows = self.conn.execute(
-            "SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod), a.atttypid::int,"
-            " c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-            " LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0"
-            "  AND NOT a.attisdropped"
-            " WHERE n.nspname = %s AND c.relname = %s ORDER BY a.attnum",
+            "SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod),"
+            " a.atttypid::pg_catalog.int4, c.relkind"
+            " FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n"
+            "   ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
+            " LEFT JOIN pg_catalog.pg_attribute a ON a.attrelid OPERATOR(pg_catalog.=) c.oid"
+            "  AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped"
+            " WHERE n.nspname OPERATOR(pg_catalog.=) %s AND c.relname OPERATOR(pg_catalog.=) %s"
+            " ORDER BY a.attnum",
             [self.schema, self.name],
         ).fetchall()
         if not rows:
@@ -371,7 +374,7 @@ class _Writer:
             # attempt that raised the token, or a commit that beat us, leaves no row.
             updated = conn.execute(
                 sql.SQL(
-                    "UPDATE {} SET attempt_id = %s, committed_at = now()"
+                    "UPDATE {} SET attempt_id = %s, committed_at = pg_catalog.now()"
                     " WHERE run_id = %s AND token = %s AND committed_at IS NULL"
                 ).format(self._fence_table),
                 [fence.attempt_id, fence.run_id, fence.token],
