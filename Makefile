@@ -38,4 +38,4 @@ chaos: $(STAMP)
 	$(PY) manage.py chaos --duration 300 --workers 4 --seed $(CHAOS_SEED) --port $(CHAOS_PORT)
 
 clean:
-	rm -rf $(VENV) .data .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .data .pytest_cache .mypy_cache .ruff_cache .hypothesis .grimp_cache .import_linter_cache
