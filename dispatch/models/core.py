@@ -322,32 +322,22 @@ class JobBinding(models.Model):
             self.validate_specs()
 
     def validate_specs(self, job: Job | None = None) -> None:
-        """Validate the job's specs against this binding's connector kinds."""
+        """Validate the job's specs against this binding's connector kinds (the same
+        validator the worker applies again at claim: `connectors.base.spec_errors`)."""
         from dispatch.connectors import registry
+        from dispatch.connectors.base import spec_errors
 
         job = job or self.job
         errors: dict[str, list[str]] = {}
-        for role, datasource, spec_name in (
-            ("source", self.source, "source_spec"),
-            ("sink", self.sink, "sink_spec"),
-        ):
+        for role, datasource in (("source", self.source), ("sink", self.sink)):
             try:
                 connector = registry.get(datasource.kind)
             except registry.UnknownKind as exc:
-                errors.setdefault(role, []).append(str(exc))
+                errors[role] = [str(exc)]
                 continue
-            if role not in connector.roles:
-                errors.setdefault(role, []).append(
-                    f"a {datasource.kind} datasource cannot be a {role}"
-                )
-                continue
-            validate = (
-                connector.validate_source_spec if role == "source" else connector.validate_sink_spec
-            )
-            try:
-                validate(getattr(job, spec_name))
-            except ValidationError as exc:
-                errors.setdefault(role, []).extend(f"{spec_name}: {m}" for m in exc.messages)
+            found = spec_errors(connector, role, getattr(job, f"{role}_spec"))
+            if found:
+                errors[role] = found
         if errors:
             raise ValidationError(errors)
 

@@ -115,6 +115,29 @@ def record_cursor(
 
 
 @_bounded
+def _outcome(
+    attempt_id: uuid.UUID,
+    token: int,
+    outcome: str,
+    reason: str | None,
+    error: str | None,
+    rows_read: int | None,
+    rows_written: int | None,
+) -> dict[str, Any]:
+    """The parameters of a settlement, shared by `settle` and `settle_and_claim`."""
+    return {
+        "attempt": attempt_id,
+        "token": token,
+        "outcome": outcome,
+        "reason": reason,
+        # Escaped here, where every settlement passes: a NUL would make PostgreSQL
+        # refuse the whole settlement and lose the outcome.
+        "error": None if error is None else storable(error),
+        "rows_read": rows_read,
+        "rows_written": rows_written,
+    }
+
+
 @_bounded
 def settle(
     attempt_id: uuid.UUID,
@@ -130,17 +153,7 @@ def settle(
     with connection.cursor() as cursor:
         cursor.execute(
             query("settle"),
-            {
-                "attempt": attempt_id,
-                "token": token,
-                "outcome": outcome,
-                "reason": reason,
-                # Escaped here, where every settlement passes: a NUL would make
-                # PostgreSQL refuse the whole settlement and lose the outcome.
-                "error": None if error is None else storable(error),
-                "rows_read": rows_read,
-                "rows_written": rows_written,
-            },
+            _outcome(attempt_id, token, outcome, reason, error, rows_read, rows_written),
         )
         (status,) = cursor.fetchone()
     return status
@@ -167,15 +180,7 @@ def settle_and_claim(
         cursor.execute(
             query("settle_claim"),
             {
-                "attempt": attempt_id,
-                "token": token,
-                "outcome": outcome,
-                "reason": reason,
-                # Escaped here, where every settlement passes: a NUL would make
-                # PostgreSQL refuse the whole settlement and lose the outcome.
-                "error": None if error is None else storable(error),
-                "rows_read": rows_read,
-                "rows_written": rows_written,
+                **_outcome(attempt_id, token, outcome, reason, error, rows_read, rows_written),
                 "worker": worker_id,
                 "limit": limit,
             },
