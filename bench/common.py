@@ -88,6 +88,14 @@ def drop_database(server: str, dbname: str) -> None:
         )
 
 
+def csv_dir() -> Path:
+    """Where the CSV benchmark's files live: outside the checkout, which the CSV connector
+    refuses (Python imports from it; docs/security.md)."""
+    from project.dev import private_temp_dir
+
+    return private_temp_dir("bench-csv")
+
+
 def setup_django(server: str, dbname: str = DISPATCH_DB) -> dict[str, str]:
     """Point Django at the benchmark database, migrate it, and return the environment the
     worker processes get (the same settings, production defaults otherwise)."""
@@ -101,6 +109,7 @@ def setup_django(server: str, dbname: str = DISPATCH_DB) -> dict[str, str]:
         "DEBUG": "false",
         "DISPATCH_ENCRYPTION_KEYS": BENCH_FERNET_KEY,
         "DISPATCH_CONNECTORS": "bench.common.LoopbackConnector",
+        "DISPATCH_CSV_BASE_DIRS": str(csv_dir()),
         "PYTHONUNBUFFERED": "1",
     }
     os.environ.update(env)

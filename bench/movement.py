@@ -19,8 +19,6 @@ from psycopg import sql
 from bench import common
 from bench import copy_pg as cp
 
-CSV_DIR = common.RESULTS / "csv"
-
 
 def sink_ddl(table: str, *, key: bool) -> sql.Composed:
     ddl = sql.SQL("CREATE TABLE {} (" + cp.COLUMNS + ")").format(sql.Identifier(table))  # type: ignore[operator]
@@ -38,8 +36,7 @@ def reset_sink(server: str, table: str, *, key: bool) -> None:
 
 def export_csv(server: str, table: str) -> Path:
     """The source table as a CSV file with a header (made once per size)."""
-    CSV_DIR.mkdir(parents=True, exist_ok=True)
-    path = CSV_DIR / f"{table}.csv"
+    path = common.csv_dir() / f"{table}.csv"
     if not path.exists():
         with cp.connect(server, cp.SRC_DB) as c, path.open("wb") as f:
             stmt = sql.SQL("COPY {} TO STDOUT (FORMAT csv, HEADER)").format(sql.Identifier(table))
@@ -59,9 +56,9 @@ def setup(server: str) -> dict[tuple[str, str], Any]:
     csv_src = Datasource.objects.filter(name="bench-csv").first() or Datasource(
         name="bench-csv", kind="csv"
     )
-    # This checkout's directory, even if another checkout made the row first.
-    if csv_src._state.adding or csv_src.config != {"base_dir": str(CSV_DIR)}:
-        csv_src.config = {"base_dir": str(CSV_DIR)}
+    # This run's directory (common.csv_dir), even if another checkout made the row first.
+    if csv_src._state.adding or csv_src.config != {"base_dir": str(common.csv_dir())}:
+        csv_src.config = {"base_dir": str(common.csv_dir())}
         csv_src.save()
     specs = {
         "replace": (src, lambda t: {"table": t}, {"mode": "replace"}),
@@ -159,7 +156,7 @@ def raw_round(server: str, case: str, table: str, rows: int) -> float:
         load = ["-c", f"COPY {sink} FROM STDIN (FORMAT csv, HEADER)"]
     start = time.perf_counter()
     if case == "csv":
-        with (CSV_DIR / f"{table}.csv").open("rb") as f:
+        with (common.csv_dir() / f"{table}.csv").open("rb") as f:
             subprocess.run(["psql", "-X", "-q", dst, *load], stdin=f, check=True,
                            capture_output=True)  # fmt: skip
     else:
@@ -195,7 +192,7 @@ def main(argv: list[str]) -> int:
     cp.ensure_source(args.server, "orders_small", args.small)
     # Sizes may have changed since the files were written: write them anew.
     for t in ("orders", "orders_small"):
-        (CSV_DIR / f"{t}.csv").unlink(missing_ok=True)
+        (common.csv_dir() / f"{t}.csv").unlink(missing_ok=True)
         export_csv(args.server, t)
     bindings = setup(args.server)
     rows = []

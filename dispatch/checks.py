@@ -29,6 +29,8 @@ CHECK_IDS: dict[str, str] = {
     "dispatch.E013": "the dispatch/scheduling migrations are not all applied (runworker refuses)",
     "dispatch.E014": "DISPATCH_ALERT_WEBHOOKS or DISPATCH_ALERT_WEBHOOK_URL cannot be used",
     "dispatch.E015": "DISPATCH_LISTEN_URL cannot be used (scheme, parse, host, port, sslmode)",
+    "dispatch.E016": "a DISPATCH_CSV_BASE_DIRS entry is refused itself (not absolute, or a "
+    "system, Python, PATH or home directory, in one or containing one)",
     "dispatch.W001": "DISPATCH_HEALTH_SCAN_LAG is shorter than DISPATCH_COORDINATION_TIMEOUT",
 }
 
@@ -216,6 +218,34 @@ def check_listen_url(app_configs: Any = None, **kwargs: Any) -> list[Error]:
             )
         ]
     return []
+
+
+@register()
+def check_csv_base_dirs(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """dispatch.E016: a DISPATCH_CSV_BASE_DIRS entry the CSV connector refuses anyway (not
+    absolute; a system tree, a directory Python imports from, a PATH directory or the
+    home directory, inside one or containing one). It allows no CSV datasource, and the
+    operator learns it at start-up rather than from the first refused datasource."""
+    from dispatch.connectors import csv
+    from dispatch.security import paths
+
+    places = paths.protected()
+    errors = []
+    for root in conf.csv_base_dirs():
+        problem = csv.root_problem(root, places)
+        if problem:
+            errors.append(
+                Error(
+                    f"DISPATCH_CSV_BASE_DIRS entry {root!r} {problem}: it allows no CSV "
+                    "datasource.",
+                    hint="List absolute directories that hold only data files, outside the "
+                    "system's trees, the Python installation and the project, PATH and the "
+                    "home directory of the user the site and its workers run as (e.g. "
+                    '/srv/dispatch/csv); see docs/security.md, "CSV files".',
+                    id="dispatch.E016",
+                )
+            )
+    return errors
 
 
 @register()

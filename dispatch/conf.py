@@ -78,8 +78,8 @@ def extra_connectors() -> list[str]:
 
 
 def csv_base_dirs() -> list[str]:
-    """Directories a csv datasource's base_dir must lie in; empty: any directory but the
-    file system root and the system directories (see docs/security.md)."""
+    """Directories a csv datasource's base_dir must lie in; empty (the default): CSV
+    datasources are disabled (docs/security.md, "CSV files")."""
     dirs = getattr(settings, "DISPATCH_CSV_BASE_DIRS", [])
     if isinstance(dirs, str):
         dirs = dirs.split(",")

@@ -13,11 +13,14 @@ once into `.env` (never committed).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,6 +59,36 @@ def demo_password_file() -> Path:
     return path
 
 
+def private_temp_dir(name: str) -> Path:
+    """`<temp dir>/dispatch-<uid>/<name>`, created on first use, in a directory only this
+    user may enter. The CSV demo and benchmark files live there: the CSV connector refuses
+    the checkout (Python imports from it) and the home directory (docs/security.md)."""
+    root = Path(tempfile.gettempdir()) / f"dispatch-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        root.mkdir(mode=0o700)
+    # Another local user may have made the name first (the temporary directory is
+    # shared): use it only if it is a real directory of ours that nobody else can write.
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise SystemExit(f"{root} is not a private directory of this user: remove it first")
+    path = root / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def csv_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` with DISPATCH_CSV_BASE_DIRS allowing the demo's CSV directory, unless the
+    environment or .env sets it already."""
+    name = "DISPATCH_CSV_BASE_DIRS"
+    in_env_file = ENV_FILE.exists() and any(
+        line.strip().removeprefix("export ").split("=", 1)[0].strip() == name
+        for line in ENV_FILE.read_text().splitlines()
+    )
+    if name in env or in_env_file:
+        return env
+    return {**env, name: str(private_temp_dir("csv"))}
+
+
 def database_url() -> tuple[str, bool]:
     """(url, embedded?)"""
     url = os.environ.get("DATABASE_URL")
@@ -74,12 +107,13 @@ def manage(*args: str, env: dict[str, str]) -> None:
 def cmd_run() -> int:
     ensure_env_file()
     url, embedded = database_url()
-    env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "project.settings"}
+    env = csv_env({**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "project.settings"})
     port = os.environ.get("PORT", "8000")
     procs: list[subprocess.Popen[bytes]] = []
     try:
         manage("migrate", "--no-input", "-v", "0", env=env)
-        manage("seed_demo", "--admin-password-file", str(demo_password_file()), env=env)
+        csv_demo = ["--csv-dir", str(private_temp_dir("csv") / "demo")]
+        manage("seed_demo", "--admin-password-file", str(demo_password_file()), *csv_demo, env=env)
         manage("seed_demo_schedules", env=env)
         print(f"\n  Admin:  http://127.0.0.1:{port}/admin/   (see the login above)\n", flush=True)
         procs.append(
@@ -223,6 +257,9 @@ def browser_tests() -> list[str]:
 def cmd_env() -> int:
     url, embedded = database_url()
     print(f"export DATABASE_URL={url}")
+    csv_dirs = csv_env(dict(os.environ)).get("DISPATCH_CSV_BASE_DIRS")
+    if csv_dirs != os.environ.get("DISPATCH_CSV_BASE_DIRS"):  # the demo's directory
+        print(f"export DISPATCH_CSV_BASE_DIRS={csv_dirs}")
     if embedded:
         # On stderr, so that `eval "$(python -m project.dev env)"` still works.
         print(

@@ -181,8 +181,8 @@ if DISPATCH_LISTEN_URL:
     DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 DISPATCH_LISTEN_PROBE_INTERVAL = _float("DISPATCH_LISTEN_PROBE_INTERVAL", 60.0)
 DISPATCH_LISTEN_PROBE_TIMEOUT = _float("DISPATCH_LISTEN_PROBE_TIMEOUT", 5.0)
-# Directories csv datasources may use as base_dir (comma-separated); empty: any directory
-# but / and the system directories (docs/security.md).
+# Directories csv datasources' base_dir must lie in (comma-separated); empty: CSV
+# datasources are disabled (docs/security.md).
 DISPATCH_CSV_BASE_DIRS = env.list("DISPATCH_CSV_BASE_DIRS", default=[])
 # Hosts database datasources may connect to (comma-separated): * (any TCP host),
 # names, *.domain, addresses, networks (10.0.0.0/8), socket directories (/run/postgresql).

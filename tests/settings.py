@@ -7,6 +7,7 @@ throwaway keys that exist only for tests.
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("SECRET_KEY", "test-only-secret-key")
 os.environ.setdefault(
@@ -17,6 +18,9 @@ os.environ.setdefault("DISPATCH_POLL_INTERVAL", "0.5")
 os.environ.setdefault("DISPATCH_RECOVERY_INTERVAL", "1")
 os.environ.setdefault("DISPATCH_IDLE_HEARTBEAT_SECONDS", "1")
 os.environ.setdefault("DISPATCH_SHUTDOWN_GRACE_SECONDS", "5")
+# CSV datasources are off without this: the tests' files live under pytest's temporary
+# directories (tmp_path), and worker subprocesses inherit the variable.
+os.environ.setdefault("DISPATCH_CSV_BASE_DIRS", tempfile.gettempdir())
 
 from project.settings import *  # noqa: E402,F403
 

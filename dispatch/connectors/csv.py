@@ -1,10 +1,16 @@
 """The `csv` kind: files under one configured base directory, read and written as UTF-8.
 
+CSV datasources are off unless the site lists the directories CSV files may live in
+(`DISPATCH_CSV_BASE_DIRS`): a datasource plus a job amount to reading and writing files
+as the worker's user. `base_dir` must lie in one of those directories and never is, lies
+in or contains a protected location (`dispatch.security.paths`: the system's trees, the
+directories Python imports from, PATH, the home directory), whatever the setting lists.
 Every path is confined to `base_dir`: absolute paths, `..` and symlinks that lead out of
 it are refused, and so are files with more than one hard link (a hard link inside
-base_dir may name a file outside it). `base_dir` itself must lie in one of the site's
-`DISPATCH_CSV_BASE_DIRS` (when set) and is never `/` or a system directory. A CSV file cannot take part in the sink fence, so the writer re-checks its
-attempt (`ctx.fence.check()`) immediately before it publishes the file.
+base_dir may name a file outside it). All of it is checked when the datasource is saved
+and again each time the connector opens a file. A CSV file cannot take part in the sink
+fence, so the writer re-checks its attempt (`ctx.fence.check()`) immediately before it
+publishes the file.
 
 An incremental read appends to a CSV file with its cursor in a state file beside it
 (`dispatch/connectors/csv_state.py`): the rows and the cursor commit together, and the
@@ -41,6 +47,7 @@ from dispatch.connectors.base import (
     check_unknown,
     require_object,
 )
+from dispatch.security import paths
 
 BATCH_ROWS = 5000
 SINK_MODES = ("replace", "append")
@@ -69,23 +76,9 @@ def check_relative_path(value: Any, field: str = "path") -> str:
 # bytes) to the name, and most file systems allow 255 bytes per name.
 MAX_NAME_BYTES = 200
 MAX_PATH_BYTES = 1024
-# Never a base directory, whatever DISPATCH_CSV_BASE_DIRS says: the root and the system's
-# own trees (configuration, devices, kernel interfaces, programs, libraries).
-SYSTEM_DIRS = (
-    "/",
-    "/etc",
-    "/dev",
-    "/proc",
-    "/sys",
-    "/boot",
-    "/bin",
-    "/sbin",
-    "/lib",
-    "/lib64",
-    "/usr",
-    "/root",
-    "/run",
-    "/var/run",
+DISABLED = (
+    "CSV datasources are disabled on this site: set DISPATCH_CSV_BASE_DIRS to the "
+    "directories CSV files may live in (docs/security.md)"
 )
 # OSError numbers that a retry cannot fix.
 PERMANENT_ERRNOS = {
@@ -107,26 +100,40 @@ def _os_error(message: str, exc: OSError) -> Exception:
     return TransientError(text)
 
 
+def root_problem(root: str, places: list[paths.Protected] | None = None) -> str | None:
+    """Why the DISPATCH_CSV_BASE_DIRS entry `root` allows nothing, or None."""
+    if not os.path.isabs(root):
+        return "is not an absolute path"
+    return paths.conflict(root, places=places)
+
+
 def check_base_dir(base_dir: str) -> str | None:
-    """Why `base_dir` is not allowed as a base directory, or None."""
-    real = os.path.realpath(base_dir)
-    for system in SYSTEM_DIRS:
-        if real == os.path.realpath(system) or (
-            system in ("/proc", "/sys", "/dev", "/etc", "/boot")
-            and real.startswith(system.rstrip("/") + "/")
-        ):
-            return f"{base_dir!r} is a system directory; choose a directory for data files"
+    """Why `base_dir` is not allowed as a base directory (a sentence), or None."""
     allowed = conf.csv_base_dirs()
-    if allowed:
-        for root in allowed:
-            root_real = os.path.realpath(root)
-            if real == root_real or real.startswith(root_real.rstrip("/") + "/"):
-                return None
+    if not allowed:
+        return DISABLED
+    if not os.path.isabs(base_dir):
+        return f"base_dir {base_dir!r} must be an absolute path"
+    real = os.path.realpath(base_dir)
+    places = paths.protected()
+    # Refused even inside a listed directory: listing /usr or the home by mistake must
+    # not open them.
+    clash = paths.conflict(real, places=places)
+    if clash:
         return (
-            f"{base_dir!r} is not inside a directory the site allows for CSV files "
-            f"(DISPATCH_CSV_BASE_DIRS: {', '.join(allowed)})"
+            f"base_dir {base_dir!r} {clash}; CSV files need a directory of their own "
+            "(docs/security.md)"
         )
-    return None
+    for root in allowed:
+        # An entry that is itself refused (dispatch.E016) allows nothing.
+        if root_problem(root, places):
+            continue
+        if paths.within(real, os.path.realpath(root)):
+            return None
+    return (
+        f"base_dir {base_dir!r} is not inside a directory the site allows for CSV files "
+        f"(DISPATCH_CSV_BASE_DIRS: {', '.join(allowed)})"
+    )
 
 
 def resolve(base_dir: str, path: str) -> str:
@@ -137,7 +144,7 @@ def resolve(base_dir: str, path: str) -> str:
         raise PermanentError(exc.messages[0]) from None
     refused = check_base_dir(base_dir)
     if refused:
-        raise PermanentError(f"base_dir {refused}")
+        raise PermanentError(refused)
     base = os.path.realpath(base_dir)
     if not os.path.isdir(base):
         raise PermanentError(f"base_dir {base_dir!r} is not an existing directory")
@@ -146,6 +153,11 @@ def resolve(base_dir: str, path: str) -> str:
     real = os.path.realpath(os.path.join(base, path))
     if os.path.commonpath([base, real]) != base or real == base:
         raise PermanentError(f"path {path!r} leaves base_dir (through a symbolic link)")
+    # Defence in depth: inside an accepted base_dir this cannot happen, unless base_dir
+    # changed under the check (a directory on the way replaced by a link).
+    clash = paths.conflict(real, contains=False)
+    if clash:
+        raise PermanentError(f"path {path!r} {clash}")
     return real
 
 
@@ -195,15 +207,17 @@ class CSVConnector(Connector):
 
     @classmethod
     def validate_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        if not conf.csv_base_dirs():
+            raise ValidationError(DISABLED)
         config = super().validate_config(config)
         base = config["base_dir"]
         if not os.path.isabs(base):
             raise ValidationError({"base_dir": ["must be an absolute path"]})
-        if not os.path.isdir(base):
-            raise ValidationError({"base_dir": [f"{base!r} is not an existing directory"]})
         refused = check_base_dir(base)
         if refused:
             raise ValidationError({"base_dir": [refused]})
+        if not os.path.isdir(base):
+            raise ValidationError({"base_dir": [f"{base!r} is not an existing directory"]})
         return config
 
     @classmethod
@@ -253,6 +267,9 @@ class CSVConnector(Connector):
     @classmethod
     def test_connection(cls, config: dict[str, Any]) -> None:
         base = config.get("base_dir", "")
+        refused = check_base_dir(base)
+        if refused:
+            raise PermanentError(refused)
         if not os.path.isdir(base):
             raise PermanentError(f"base_dir {base!r} is not an existing directory")
         if not os.access(base, os.R_OK | os.X_OK):

@@ -10,6 +10,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connection, transaction
 from psycopg import sql
 
+from dispatch.connectors.csv import check_base_dir
 from dispatch.models import Datasource, Job, JobBinding
 
 DEMO_SOURCE_DB = "dispatch_demo_source"
@@ -39,6 +40,12 @@ class Command(BaseCommand):
             help="set the 'admin' login to the password in this file (default: a new "
             "random one when the user does not exist yet)",
         )
+        parser.add_argument(
+            "--csv-dir",
+            default=None,
+            help="the CSV demo's directory, inside DISPATCH_CSV_BASE_DIRS (created; "
+            "default: no CSV demo)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         with transaction.atomic():
@@ -56,7 +63,7 @@ class Command(BaseCommand):
                 name="demo-generate-to-null",
                 defaults={"job": job, "source": generate, "sink": discard},
             )
-        self._seed_connector_demos()
+        self._seed_connector_demos(options["csv_dir"])
         user_model = get_user_model()
         user = user_model.objects.filter(username="admin").first()
         password = None
@@ -80,11 +87,10 @@ class Command(BaseCommand):
             self.stdout.write("  Login:  admin (password unchanged)")
 
     # --- PostgreSQL and CSV demos -------------------------------------------------------
-    def _seed_connector_demos(self) -> None:
+    def _seed_connector_demos(self, csv_dir: str | None) -> None:
         """Two databases on the dispatch server (a 100k-row `orders` source and a sink), a
-        PostgreSQL -> PostgreSQL binding and a CSV -> PostgreSQL binding. Idempotent."""
-        from django.conf import settings
-
+        PostgreSQL -> PostgreSQL binding and, with `csv_dir`, a CSV -> PostgreSQL binding.
+        Idempotent."""
         s = connection.settings_dict
         server: dict[str, Any] = {
             "host": s.get("HOST") or "127.0.0.1",
@@ -98,7 +104,32 @@ class Command(BaseCommand):
         except psycopg.Error as exc:
             self.stdout.write(f"  (PostgreSQL demo skipped: {type(exc).__name__})")
             return
-        csv_dir = Path(settings.BASE_DIR) / ".data" / "demo-csv"
+        with transaction.atomic():
+            source, _ = _datasource(
+                "demo-pg-source", "postgresql", {**server, "dbname": DEMO_SOURCE_DB}
+            )
+            sink, _ = _datasource("demo-pg-sink", "postgresql", {**server, "dbname": DEMO_SINK_DB})
+            pg_job, _ = Job.objects.get_or_create(
+                name="demo-orders-copy",
+                defaults={
+                    "source_spec": {"table": "public.orders"},
+                    "sink_spec": {"table": "public.orders_copy", "mode": "replace", "create": True},
+                    "description": "Copy 100,000 orders between two PostgreSQL databases.",
+                },
+            )
+            JobBinding.objects.get_or_create(
+                name="demo-orders-pg-to-pg",
+                defaults={"job": pg_job, "source": source, "sink": sink},
+            )
+        if csv_dir is not None:
+            self._seed_csv_demo(Path(csv_dir).absolute(), sink)
+
+    def _seed_csv_demo(self, csv_dir: Path, sink: Datasource) -> None:
+        """A small orders.csv in `csv_dir` and a CSV -> PostgreSQL binding reading it."""
+        refused = check_base_dir(str(csv_dir))
+        if refused:
+            self.stdout.write(f"  (CSV demo skipped: {refused})")
+            return
         csv_dir.mkdir(parents=True, exist_ok=True)
         orders_csv = csv_dir / "orders.csv"
         if not orders_csv.exists():
@@ -110,19 +141,10 @@ class Command(BaseCommand):
                 encoding="utf-8",
             )
         with transaction.atomic():
-            source, _ = _datasource(
-                "demo-pg-source", "postgresql", {**server, "dbname": DEMO_SOURCE_DB}
-            )
-            sink, _ = _datasource("demo-pg-sink", "postgresql", {**server, "dbname": DEMO_SINK_DB})
             files, _ = _datasource("demo-csv-files", "csv", {"base_dir": str(csv_dir)})
-            pg_job, _ = Job.objects.get_or_create(
-                name="demo-orders-copy",
-                defaults={
-                    "source_spec": {"table": "public.orders"},
-                    "sink_spec": {"table": "public.orders_copy", "mode": "replace", "create": True},
-                    "description": "Copy 100,000 orders between two PostgreSQL databases.",
-                },
-            )
+            if files.config != {"base_dir": str(csv_dir)}:  # made by an older demo
+                files.config = {"base_dir": str(csv_dir)}
+                files.save()
             csv_job, _ = Job.objects.get_or_create(
                 name="demo-orders-csv-load",
                 defaults={
@@ -130,10 +152,6 @@ class Command(BaseCommand):
                     "sink_spec": {"table": "public.orders_csv", "mode": "replace", "create": True},
                     "description": "Load a small CSV file into PostgreSQL.",
                 },
-            )
-            JobBinding.objects.get_or_create(
-                name="demo-orders-pg-to-pg",
-                defaults={"job": pg_job, "source": source, "sink": sink},
             )
             JobBinding.objects.get_or_create(
                 name="demo-orders-csv-to-pg",
