@@ -8,11 +8,12 @@ or (before a worker starts) the migrations are not applied.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from django.conf import settings
 from django.core.checks import Error, Tags, Warning, register
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, connections, transaction
 
 from dispatch import conf
 
@@ -31,7 +32,9 @@ CHECK_IDS: dict[str, str] = {
     "dispatch.E015": "DISPATCH_LISTEN_URL cannot be used (scheme, parse, host, port, sslmode)",
     "dispatch.E016": "a DISPATCH_CSV_BASE_DIRS entry is refused itself (not absolute, or a "
     "system, Python, PATH or home directory, in one or containing one)",
+    "dispatch.E017": "an entry of DISPATCH_ALERT_EMAIL_DOMAINS is neither a domain nor '*'",
     "dispatch.W001": "DISPATCH_HEALTH_SCAN_LAG is shorter than DISPATCH_COORDINATION_TIMEOUT",
+    "dispatch.W002": "stored alert addresses of bindings are outside DISPATCH_ALERT_EMAIL_DOMAINS",
 }
 
 # Django 5.2 itself needs PostgreSQL 14; the SQL functions need nothing newer.
@@ -218,6 +221,78 @@ def check_listen_url(app_configs: Any = None, **kwargs: Any) -> list[Error]:
             )
         ]
     return []
+
+
+# A domain as it follows an address's @: dot-separated labels of letters, digits and
+# hyphens (any script: an address may be internationalised), none starting or ending with
+# a hyphen.
+_LABEL = r"(?!-)[^\W_](?:[\w-]{0,61}[^\W_])?"
+DOMAIN = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+
+
+@register()
+def check_alert_email_domains(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """dispatch.E017: an entry of DISPATCH_ALERT_EMAIL_DOMAINS that is neither a domain
+    nor "*" (`@example.com`, `*.example.com`): no address is ever at it, so the bindings
+    the site meant to allow would get none of their alerts."""
+    errors = []
+    for entry in sorted(conf.alert_email_domains()):
+        if entry == conf.ANY_DOMAIN or DOMAIN.fullmatch(entry):
+            continue
+        errors.append(
+            Error(
+                f"DISPATCH_ALERT_EMAIL_DOMAINS entry {entry[:100]!r} is not a domain: no "
+                "address is at it.",
+                hint="List domains as they follow the @ (example.com; a subdomain is an "
+                'entry of its own), or "*" alone for any domain.',
+                id="dispatch.E017",
+            )
+        )
+    return errors
+
+
+# Health rows with addresses the stored-addresses check reads at most.
+STORED_ADDRESSES_CHECKED = 10_000
+
+
+@register(Tags.database)
+def check_stored_alert_addresses(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[Warning]:
+    """dispatch.W002: bindings whose stored alert addresses DISPATCH_ALERT_EMAIL_DOMAINS
+    does not allow (stored before it narrowed, or written past the form). Those addresses
+    get no alert; the binding's alerts go to its other addresses, else the site's ADMINS.
+    A database check (`check --database default`, `migrate`): it reads the health rows."""
+    from dispatch.models.ops import BindingHealth, alert_addresses, domain_allowed
+
+    if "default" not in (databases or []):
+        return []
+    domains = conf.alert_email_domains()
+    rows = BindingHealth.objects.exclude(alert_emails="").values_list("alert_emails", flat=True)
+    try:
+        # A savepoint inside a caller's transaction: a missing table must not abort it.
+        with transaction.atomic():
+            stored = list(rows[:STORED_ADDRESSES_CHECKED])
+    except DatabaseError:
+        return []  # not migrated yet: nothing stored to judge
+    refused = sum(
+        1
+        for text in stored
+        if any(not domain_allowed(address, domains) for address in alert_addresses(text))
+    )
+    if not refused:
+        return []
+    allowed = ", ".join(sorted(domains)) or "none, it is empty"
+    return [
+        Warning(
+            f"{refused} binding(s) have alert addresses outside DISPATCH_ALERT_EMAIL_DOMAINS "
+            f"({allowed}): those addresses get none of the alerts, which go to the "
+            "binding's other addresses, else the site's ADMINS.",
+            hint='List the domains the site trusts in DISPATCH_ALERT_EMAIL_DOMAINS ("*": any), '
+            "or change the addresses on the bindings' pages.",
+            id="dispatch.W002",
+        )
+    ]
 
 
 @register()

@@ -238,12 +238,17 @@ def alert_webhooks() -> dict[str, dict[str, str]]:
     }
 
 
+ANY_DOMAIN = "*"
+
+
 def alert_email_domains() -> frozenset[str]:
-    """Domains a binding's own alert addresses must be at (empty: any)."""
+    """Domains a binding's own alert addresses may be at, lower case: empty (the default)
+    allows none, so a binding's alerts go to the site's ADMINS; `ANY_DOMAIN` ("*") allows
+    every domain. The site's ADMINS are never restricted."""
     domains = getattr(settings, "DISPATCH_ALERT_EMAIL_DOMAINS", ()) or ()
     if isinstance(domains, str):
         domains = domains.split(",")
-    return frozenset(d.strip().lower() for d in domains if d.strip())
+    return frozenset(str(d).strip().lower() for d in domains if str(d).strip())
 
 
 def alert_notifiers() -> list[str]:

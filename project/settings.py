@@ -229,6 +229,7 @@ DISPATCH_ALERT_RATE_LIMIT = env.int("DISPATCH_ALERT_RATE_LIMIT", default=10)
 # Named webhooks a binding may pick for its alerts, as JSON:
 # {"team-a": {"url": "https://...", "secret": "..."}} (system check dispatch.E014).
 DISPATCH_ALERT_WEBHOOKS = _json("DISPATCH_ALERT_WEBHOOKS", {})
+# Domains a binding's own alert addresses may be at; "*": any; empty: none (ADMINS only).
 DISPATCH_ALERT_EMAIL_DOMAINS = env.list("DISPATCH_ALERT_EMAIL_DOMAINS", default=[])
 ADMINS = [("", a.strip()) for a in env.str("DISPATCH_ADMINS", default="").split(",") if a.strip()]
 DISPATCH_METRICS_PATH = env.str("DISPATCH_METRICS_PATH", default="metrics")

@@ -31,6 +31,7 @@ SNAPSHOT_SHA256 = {
     "0016_dispatch_v5.sql": "c365a4c05a3c59c0b46d7af53f3d81f7b966bf8b92803e23bfda837cbf1d3715",
     "0017_dispatch_v6.sql": "ac5947519df4ade946faffd4f601b96f4113374834b7c70331b7ae8742a499fd",
     "0020_functions.sql": "418fc1f1d75aec0e21947e00ecefbc69f82b9d5d9ffb7651a6aa40ffd8350b5b",
+    "0022_functions.sql": "7ed6e6d7b5ec0066118785ede8a28dadafb550c7bc9acf9aa454b6764634afc9",
 }
 
 

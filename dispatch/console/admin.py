@@ -573,6 +573,17 @@ class BindingAlertsForm(forms.ModelForm):  # type: ignore[type-arg]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if "alert_emails" in self.fields:
+            domains = conf.alert_email_domains()
+            allowed = (
+                "any domain"
+                if conf.ANY_DOMAIN in domains
+                else ", ".join(sorted(domains))
+                or "none: DISPATCH_ALERT_EMAIL_DOMAINS is empty, alerts go to the site's ADMINS"
+            )
+            self.fields["alert_emails"].help_text += f" Allowed domains: {allowed}."
+        if "alert_webhook" not in self.fields:
+            return  # read-only for this user (BindingAlertsInline)
         names = sorted(conf.alert_webhooks())
         choices = [("", "the site's default webhook, if any"), *((n, n) for n in names)]
         stored = self.instance.alert_webhook if self.instance.pk else ""
@@ -585,7 +596,8 @@ class BindingAlertsForm(forms.ModelForm):  # type: ignore[type-arg]
 
     def save(self, commit: bool = True) -> BindingHealth:
         health = self.instance
-        values = {f: getattr(health, f) for f in BindingHealth.SETTINGS_FIELDS}
+        # The fields of this form only: those read-only for the user keep what is stored.
+        values = {f: getattr(health, f) for f in BindingHealth.SETTINGS_FIELDS if f in self.fields}
         if not commit:
             return health
         if health._state.adding:
@@ -603,7 +615,11 @@ class BindingAlertsForm(forms.ModelForm):  # type: ignore[type-arg]
 class BindingAlertsInline(admin.StackedInline):  # type: ignore[type-arg]
     """A binding's alert settings (its health row; the state itself is the health
     scan's, shown read-only on the binding). The webhook is chosen among the site's named
-    ones: a binding never names a host of its own."""
+    ones: a binding never names a host of its own.
+
+    Choosing who gets the alerts (addresses, webhook) needs `dispatch.view_run` besides
+    the health permissions: alerts tell about runs. Without it the two fields are
+    read-only, so they are not in the form and a value posted for them is never read."""
 
     model = BindingHealth
     form = BindingAlertsForm
@@ -612,6 +628,13 @@ class BindingAlertsInline(admin.StackedInline):  # type: ignore[type-arg]
     verbose_name_plural = "alert settings"
     max_num = 1
     can_delete = False
+
+    RECIPIENT_FIELDS = ("alert_emails", "alert_webhook")
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        if request.user.has_perm("dispatch.view_run"):
+            return []
+        return list(self.RECIPIENT_FIELDS)
 
 
 @admin.register(Job)

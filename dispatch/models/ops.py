@@ -17,6 +17,19 @@ from django.db.models.functions import Now
 MAX_ALERT_RECIPIENTS = 20
 
 
+def alert_addresses(text: str) -> list[str]:
+    """The addresses of an `alert_emails` value, in order, blanks dropped."""
+    return [a.strip() for a in text.split(",") if a.strip()]
+
+
+def domain_allowed(address: str, domains: frozenset[str]) -> bool:
+    """Whether `domains` (`dispatch.conf.alert_email_domains()`) let a binding's alerts go
+    to `address`: its domain is listed, or "*" is."""
+    from dispatch.conf import ANY_DOMAIN
+
+    return ANY_DOMAIN in domains or address.rsplit("@", 1)[-1].lower() in domains
+
+
 class OpsState(models.Model):
     """One row per maintenance task ("retention", "health"): when it last ran, what it
     did, and its cursor. Written with conditional updates, so any number of workers may
@@ -84,6 +97,11 @@ class BindingHealth(models.Model):
     alerts_muted = models.BooleanField(
         default=False, help_text="Send no alerts for this binding (auto-disable still applies)."
     )
+    # When an address or a named webhook was last added (database time; the trigger
+    # dispatch_alert_recipients_changed moves it, whatever writes the row). Alerts of
+    # events before it go to the site's ADMINS and default webhook, never to recipients
+    # that were not there when it happened (dispatch.ops.alerts).
+    alert_settings_changed_at = models.DateTimeField(db_default=Now(), editable=False)
     updated_at = models.DateTimeField(db_default=Now())
 
     class Meta:
@@ -123,7 +141,7 @@ class BindingHealth(models.Model):
         from dispatch import conf
 
         errors: dict[str, str] = {}
-        addresses = [a.strip() for a in self.alert_emails.split(",") if a.strip()]
+        addresses = alert_addresses(self.alert_emails)
         domains = conf.alert_email_domains()
         for address in addresses:
             try:
@@ -131,8 +149,14 @@ class BindingHealth(models.Model):
             except ValidationError:
                 errors["alert_emails"] = f"{address[:100]!r} is not an email address."
                 break
-            domain = address.rsplit("@", 1)[-1].lower()
-            if domains and domain not in domains:
+            if not domains:
+                errors["alert_emails"] = (
+                    f"{address[:100]!r} cannot get this binding's alerts: "
+                    "DISPATCH_ALERT_EMAIL_DOMAINS allows no binding's own addresses (its "
+                    "alerts go to the site's ADMINS)."
+                )
+                break
+            if not domain_allowed(address, domains):
                 errors["alert_emails"] = (
                     f"{address[:100]!r} is not at one of the site's alert domains "
                     f"(DISPATCH_ALERT_EMAIL_DOMAINS: {', '.join(sorted(domains))})."

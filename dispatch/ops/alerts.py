@@ -18,10 +18,16 @@ execution path:
   last attempt. A slow or dead webhook holds only the maintenance thread, for at most its
   timeout per alert.
 
-Notifiers: `email` (Django's mail: the binding's `alert_emails`, else the site's
-ADMINS) and `webhook` (a JSON POST signed with HMAC-SHA256 over the timestamp and the
-body: header `X-Dispatch-Signature: t=<unix time>,v1=<hex>`). Which are on is
-`DISPATCH_ALERT_NOTIFIERS`; see dispatch.conf for every setting.
+Notifiers: `email` (Django's mail: the binding's `alert_emails` at the site's alert
+domains, else the site's ADMINS) and `webhook` (a JSON POST signed with HMAC-SHA256 over
+the timestamp and the body: header `X-Dispatch-Signature: t=<unix time>,v1=<hex>`). Which
+are on is `DISPATCH_ALERT_NOTIFIERS`; see dispatch.conf for every setting.
+
+An alert carries the run's link, status, reason and counts (`PAYLOAD_FIELDS`), never an
+error text: a source's or sink's error may quote the data, and the console shows it to
+whoever may view runs. A binding's own recipients (its addresses, its named webhook) get
+alerts of events after they were added only (`BindingHealth.alert_settings_changed_at`);
+earlier ones go to the site's ADMINS and default webhook (docs/security.md, "Alerts").
 """
 
 from __future__ import annotations
@@ -46,7 +52,15 @@ from django.db.models.functions import Now
 
 from dispatch import conf
 from dispatch.db import db_now, storable
-from dispatch.models.ops import Alert, AlertKind, AlertStatus, BindingHealth, HealthState
+from dispatch.models.ops import (
+    Alert,
+    AlertKind,
+    AlertStatus,
+    BindingHealth,
+    HealthState,
+    alert_addresses,
+    domain_allowed,
+)
 from dispatch.ops import binding_metrics
 from dispatch.ops.retention import begin_pass
 from dispatch.states import Status
@@ -60,6 +74,27 @@ SCAN_BATCH = 1000
 DRAIN_BATCH = 20
 LEASE_SECONDS = 120.0
 ERROR_CHARS = 500
+
+# What an alert says, in this order: the run's link, status, reason and counts, the
+# binding's health; never an error text (a source's or sink's error may quote a value of
+# the data). The email's body and the webhook's JSON carry these keys and no other, so an
+# outbox row written with more by an earlier release sends none of it.
+PAYLOAD_FIELDS = (
+    "kind",
+    "binding",
+    "binding_id",
+    "run_id",
+    "link",
+    "status",
+    "reason",
+    "attempts",
+    "rows_read",
+    "rows_written",
+    "finished_at",
+    "health",
+    "consecutive_failures",
+    "event",
+)
 
 
 @dataclass
@@ -312,23 +347,43 @@ def _scan_failing(report: ScanReport) -> None:
 
 
 # --- the outbox ----------------------------------------------------------------------------
-def _recipients(health: BindingHealth) -> list[str]:
+def _admins() -> list[str]:
     from django.conf import settings
 
-    own = [a.strip() for a in health.alert_emails.split(",") if a.strip()]
-    return own or [address for _, address in getattr(settings, "ADMINS", [])]
+    return [address for _, address in getattr(settings, "ADMINS", [])]
 
 
-def _notifiers(health: BindingHealth) -> list[str]:
-    """This binding's notifiers: `email` when it has recipients; `webhook:NAME` for its
-    own named webhook, else `webhook` when the site has a default URL."""
+def _recipients(health: BindingHealth, event_at: datetime | None) -> tuple[list[str], list[str]]:
+    """The addresses an alert of an event at `event_at` (None: now) goes to, and the
+    binding's own addresses withheld from it, each with why. Its own addresses count
+    when `DISPATCH_ALERT_EMAIL_DOMAINS` allows them and the event came after the latest
+    recipient was added; without any, the site's ADMINS (always allowed: the site owner's
+    choice)."""
+    domains = conf.alert_email_domains()
+    before = event_at is not None and event_at <= health.alert_settings_changed_at
+    own, withheld = [], []
+    for address in alert_addresses(health.alert_emails):
+        if not domain_allowed(address, domains):
+            withheld.append(f"{address}: outside DISPATCH_ALERT_EMAIL_DOMAINS")
+        elif before:
+            withheld.append(f"{address}: recipients added after the event")
+        else:
+            own.append(address)
+    return own or _admins(), withheld
+
+
+def _notifiers(health: BindingHealth, event_at: datetime | None) -> list[str]:
+    """This binding's notifiers for an event at `event_at`: `email` when it has
+    recipients; `webhook:NAME` for its own named webhook if chosen before the event, else
+    `webhook` when the site has a default URL."""
     chosen = []
+    before = event_at is not None and event_at <= health.alert_settings_changed_at
     for notifier in conf.alert_notifiers():
         if notifier == "email":
-            if _recipients(health):
+            if _recipients(health, event_at)[0]:
                 chosen.append(notifier)
         elif notifier == "webhook":
-            if health.alert_webhook:
+            if health.alert_webhook and not before:
                 chosen.append(f"webhook:{health.alert_webhook}")
             elif conf.alert_webhook_url():
                 chosen.append(notifier)
@@ -337,10 +392,23 @@ def _notifiers(health: BindingHealth) -> list[str]:
     return chosen
 
 
+def _run_link(run_id: uuid.UUID) -> str:
+    """The run's page in the console, as a path (no setting names the site's address);
+    "" when the host site mounts no admin."""
+    from django.urls import NoReverseMatch, reverse
+
+    try:
+        return reverse("admin:dispatch_run_change", args=[run_id])
+    except NoReverseMatch:
+        return ""
+
+
 def _payload(
     kind: str, binding: Any, health: BindingHealth, run_id: uuid.UUID | None, event: str
-) -> dict[str, Any]:
-    from dispatch.models import Attempt
+) -> tuple[dict[str, Any], datetime | None]:
+    """The alert's `PAYLOAD_FIELDS`, and when its event happened (the run's end; None
+    for a threshold, which the scan crosses now)."""
+    from dispatch.models import Attempt, Run
 
     payload: dict[str, Any] = {
         "kind": kind,
@@ -350,22 +418,30 @@ def _payload(
         "health": str(health.state),
         "event": event,
     }
-    if run_id is not None:
-        payload["run_id"] = str(run_id)
-        last = (
-            Attempt.objects.filter(run_id=run_id)
-            .order_by("-number")
-            .values("number", "reason", "error", "finished_at")
-            .first()
+    if run_id is None:
+        return payload, None
+    payload.update(run_id=str(run_id), link=_run_link(run_id))
+    run = Run.objects.filter(pk=run_id).values("status", "finished_at").first()
+    finished_at = run["finished_at"] if run else None
+    if run:
+        payload.update(
+            status=run["status"],
+            finished_at=finished_at.isoformat() if finished_at else None,
         )
-        if last:
-            payload.update(
-                attempts=last["number"],
-                reason=last["reason"],
-                error=(last["error"] or "")[:ERROR_CHARS],
-                finished_at=last["finished_at"].isoformat() if last["finished_at"] else None,
-            )
-    return payload
+    last = (
+        Attempt.objects.filter(run_id=run_id)
+        .order_by("-number")
+        .values("number", "reason", "rows_read", "rows_written")
+        .first()
+    )
+    if last:
+        payload.update(
+            attempts=last["number"],
+            reason=last["reason"],
+            rows_read=last["rows_read"],
+            rows_written=last["rows_written"],
+        )
+    return payload, finished_at
 
 
 def _enqueue(
@@ -382,13 +458,14 @@ def _enqueue(
     SUPPRESSED: visible in the console, never sent."""
     if health.alerts_muted:
         return
-    notifiers = _notifiers(health)
+    payload, event_at = _payload(kind, binding, health, run_id, event)
+    notifiers = _notifiers(health, event_at)
     if not notifiers:
         return
+    recipients, withheld = _recipients(health, event_at)
     # One alert per run, or per failing streak and kind (its first failure names it).
     streak = health.failing_since.isoformat() if health.failing_since else "-"
     event_key = str(run_id) if run_id else streak
-    payload = _payload(kind, binding, health, run_id, event)
     limit = conf.alert_rate_limit()
     for notifier in notifiers:
         recent = Alert.objects.filter(
@@ -409,7 +486,7 @@ def _enqueue(
                     run_id=run_id,
                     dedup_key=key,
                     status=status,
-                    payload={**payload, "recipients": _recipients(health)}
+                    payload={**payload, "recipients": recipients, "withheld": withheld}
                     if notifier == "email"
                     else payload,
                 )
@@ -475,8 +552,9 @@ def drain(*, limit: int = DRAIN_BATCH) -> int:
                 error,
             )
             continue
+        # The payload too: the email notifier records the recipients it dropped.
         Alert.objects.filter(pk=alert.pk).update(
-            status=AlertStatus.SENT, sent_at=Now(), last_error=""
+            status=AlertStatus.SENT, sent_at=Now(), last_error="", payload=alert.payload
         )
         sent += 1
     return sent
@@ -505,16 +583,49 @@ def send(alert: Alert) -> None:
         raise ValueError(f"unknown notifier {alert.notifier!r}")
 
 
+# The body's labels where they differ from the payload's keys.
+BODY_LABELS = {"link": "run"}
+BODY_FOOTER = (
+    "The run's page in the console shows its error, if any, to whoever may view runs; "
+    "alerts never carry it."
+)
+
+
+def body_text(payload: dict[str, Any]) -> str:
+    """An email's body: one `label: value` line per `PAYLOAD_FIELDS` key that has one."""
+    lines = [
+        f"{BODY_LABELS.get(key, key)}: {payload[key]}"
+        for key in PAYLOAD_FIELDS
+        if payload.get(key) not in (None, "")
+    ]
+    return "\n".join([*lines, "", BODY_FOOTER])
+
+
+def _sendable(recorded: list[str]) -> tuple[list[str], list[str]]:
+    """The recorded recipients the settings allow now (the site's ADMINS, or at
+    `DISPATCH_ALERT_EMAIL_DOMAINS`: it may have narrowed since the alert was written),
+    else ADMINS; and those dropped, with why."""
+    admins, domains = _admins(), conf.alert_email_domains()
+    kept, dropped = [], []
+    for address in recorded:
+        if address in admins or domain_allowed(address, domains):
+            kept.append(address)
+        else:
+            dropped.append(f"{address}: outside DISPATCH_ALERT_EMAIL_DOMAINS")
+    return kept or admins, dropped
+
+
 def _send_email(alert: Alert) -> None:
     from django.core.mail import send_mail
 
-    payload = dict(alert.payload)
-    recipients = payload.pop("recipients", [])
+    recipients, dropped = _sendable(list(alert.payload.get("recipients", [])))
+    if dropped:
+        withheld = list(alert.payload.get("withheld", []))
+        alert.payload = {**alert.payload, "recipients": recipients, "withheld": withheld + dropped}
     if not recipients:
         raise ValueError("no recipients (the binding's alert_emails and ADMINS are empty)")
     subject = "[dispatch] " + SUBJECTS[AlertKind(alert.kind)].format(binding=alert.binding_name)
-    body = "\n".join(f"{k}: {v}" for k, v in payload.items() if v not in (None, ""))
-    send_mail(subject, body, None, recipients, fail_silently=False)
+    send_mail(subject, body_text(alert.payload), None, recipients, fail_silently=False)
 
 
 def signature(secret: str, timestamp: str, body: bytes) -> str:
@@ -545,8 +656,9 @@ class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
 def _send_webhook(alert: Alert, url: str, secret: str) -> None:
     if not url:
         raise ValueError("DISPATCH_ALERT_WEBHOOK_URL is not set")
+    fields = {k: alert.payload[k] for k in PAYLOAD_FIELDS if k in alert.payload}
     body = json.dumps(
-        {"id": str(alert.id), "created_at": alert.created_at.isoformat(), **alert.payload},
+        {"id": str(alert.id), "created_at": alert.created_at.isoformat(), **fields},
         sort_keys=True,
     ).encode()
     timestamp = str(int(time.time()))

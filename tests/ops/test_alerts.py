@@ -9,6 +9,7 @@ import hmac
 import http.server
 import json
 import threading
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -31,6 +32,7 @@ BASE = {
     "DISPATCH_ALERT_NOTIFIERS": ["email"],
     "ADMINS": [("ops", "ops@example.com")],
     "EMAIL_BACKEND": "django.core.mail.backends.locmem.EmailBackend",
+    "DISPATCH_ALERT_EMAIL_DOMAINS": ["example.com"],
 }
 
 
@@ -138,7 +140,8 @@ def test_alerts__email_to_the_binding_addresses_on_failure_and_recovery() -> Non
     (failed,) = mail.outbox
     assert failed.to == ["a@example.com", "b@example.com"]
     assert str(run.id) in failed.body
-    assert "relation public.orders does not exist" in failed.body
+    # The error stays in the console (docs/security.md, "Alerts").
+    assert "relation public.orders does not exist" not in failed.body
     finish(b, "SUCCEEDED")
     report = alerts.scan()
     assert report.recovered == [b.name]
@@ -285,7 +288,10 @@ def test_alerts__a_bindings_named_webhook_instead_of_the_sites_default(
     assert json.loads(body)["run_id"] == str(run.id)
 
 
-@override_settings(DISPATCH_ALERT_WEBHOOKS={"team-a": {"url": "https://hooks.example/a"}})
+@override_settings(
+    DISPATCH_ALERT_WEBHOOKS={"team-a": {"url": "https://hooks.example/a"}},
+    DISPATCH_ALERT_EMAIL_DOMAINS=["example.com"],
+)
 def test_alerts__binding_alert_settings_validated_naming_the_field() -> None:
     from django.core.exceptions import ValidationError
 
@@ -381,6 +387,7 @@ def binding_post(binding: JobBinding, **health: str) -> dict[str, str]:
     }
 
 
+@override_settings(DISPATCH_ALERT_EMAIL_DOMAINS=["example.com"])
 def test_alerts__saving_the_binding_page_writes_its_alert_settings_only(
     admin_client: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -432,3 +439,252 @@ def test_alerts__a_webhook_the_site_dropped_is_shown_and_blocks_no_other_edit(
     response = admin_client.post(url, binding_post(b, alert_webhook="elsewhere"))
     assert response.status_code == 200
     assert health_of(b).alert_webhook == "gone"
+
+
+# --- what alerts carry, and to whom (docs/security.md, "Alerts") -----------------------------
+QUOTING = 'COPY narrow, line 1, column note: "customer-ssn-1"'
+
+
+def test_alerts__no_error_text_in_mail_or_webhook_even_when_it_quotes_a_value(
+    hook: str,
+) -> None:
+    """A source's or sink's error may quote a value of the data; the mail and the webhook
+    carry the run's link, status, reason and counts instead, and an outbox row written
+    before (its payload still holding `error`) is sent without it."""
+    Hook.answers = []
+    with override_settings(
+        **{**BASE, "DISPATCH_ALERT_NOTIFIERS": ["email", "webhook"]},
+        DISPATCH_ALERT_WEBHOOKS={"team-a": {"url": hook, "secret": ""}},
+    ):
+        b = BindingFactory(name="narrow")
+        BindingHealth.objects.create(
+            binding=b, alert_emails="team@example.com", alert_webhook="team-a"
+        )
+        run = finish(b, "FAILED", error=QUOTING)
+        alerts.scan()
+        Alert.objects.create(
+            kind=AlertKind.RUN_FAILED,
+            notifier="email",
+            binding_id=b.pk,
+            binding_name=b.name,
+            dedup_key="written-by-the-previous-release",
+            payload={"binding": b.name, "error": QUOTING, "recipients": ["ops@example.com"]},
+        )
+        assert alerts.drain() == 3
+    assert len(mail.outbox) == 2 and len(Hook.received) == 1
+    for message in mail.outbox:
+        assert "customer-ssn-1" not in message.subject + message.body
+    ((_, body),) = Hook.received
+    assert "customer-ssn-1" not in body.decode()
+    payload = json.loads(body)
+    assert "error" not in payload
+    link = f"/admin/dispatch/run/{run.id}/change/"
+    assert payload["link"] == link
+    assert (payload["status"], payload["reason"], payload["attempts"]) == (
+        "FAILED",
+        "PERMANENT_ERROR",
+        1,
+    )
+    assert (payload["rows_read"], payload["rows_written"]) == (0, 0)
+    assert run.finished_at is not None
+    assert payload["finished_at"] == run.finished_at.isoformat()
+    (failed,) = [m for m in mail.outbox if m.to == ["team@example.com"]]
+    for line in (f"run: {link}", "status: FAILED", "reason: PERMANENT_ERROR", "attempts: 1"):
+        assert line in failed.body.splitlines()
+
+
+def test_alerts__addresses_outside_the_domains_refused_by_the_form_and_never_mailed() -> None:
+    """Unset, DISPATCH_ALERT_EMAIL_DOMAINS allows no address of a binding's own (its
+    alerts go to ADMINS); a listed domain allows its addresses; "*" any. An address stored
+    past the form, or before the setting narrowed, is dropped at enqueue and again at send,
+    the outbox row saying why."""
+    from django.core.exceptions import ValidationError
+
+    b = BindingFactory()
+    unset = {k: v for k, v in BASE.items() if k != "DISPATCH_ALERT_EMAIL_DOMAINS"}
+    with override_settings(**unset):
+        with pytest.raises(ValidationError) as refused:
+            BindingHealth(binding=b, alert_emails="team@example.com").full_clean()
+        assert "DISPATCH_ALERT_EMAIL_DOMAINS allows no binding's own addresses" in str(
+            refused.value.message_dict["alert_emails"]
+        )
+        BindingHealth.objects.create(binding=b, alert_emails="team@example.com, x@outside.test")
+        finish(b, "FAILED")
+        alerts.scan()
+        assert alerts.drain() == 1
+    assert mail.outbox[-1].to == ["ops@example.com"]  # ADMINS
+    with override_settings(**BASE):  # example.com only
+        with pytest.raises(ValidationError):  # clean(): the binding has its row already
+            BindingHealth(binding=b, alert_emails="x@outside.test").clean()
+        finish(b, "FAILED")
+        alerts.scan()
+        assert alerts.drain() == 1
+    assert mail.outbox[-1].to == ["team@example.com"]
+    latest = Alert.objects.filter(binding_id=b.pk).order_by("-created_at").first()
+    assert latest is not None
+    assert latest.payload["withheld"] == ["x@outside.test: outside DISPATCH_ALERT_EMAIL_DOMAINS"]
+    with override_settings(**{**BASE, "DISPATCH_ALERT_EMAIL_DOMAINS": ["*"]}):
+        BindingHealth(binding=b, alert_emails="x@outside.test").clean()
+        finish(b, "FAILED")
+        alerts.scan()
+    # Enqueued while "*" allowed it, sent after the setting narrowed: dropped at send.
+    with override_settings(**BASE):
+        assert alerts.drain() == 1
+    assert mail.outbox[-1].to == ["team@example.com"]
+    with override_settings(**{**BASE, "DISPATCH_ALERT_EMAIL_DOMAINS": ["*"]}):
+        finish(b, "FAILED")
+        alerts.scan()
+        assert alerts.drain() == 1
+    assert mail.outbox[-1].to == ["team@example.com", "x@outside.test"]
+
+
+@override_settings(**{**BASE, "DISPATCH_ALERT_EMAIL_DOMAINS": ["*"]})
+def test_alerts__a_failure_before_the_address_was_set_is_not_mailed_to_it() -> None:
+    """New recipients get alerts of failures after they were added (the database moves
+    `alert_settings_changed_at` whatever wrote the change); earlier ones go to ADMINS."""
+    b = BindingFactory()
+    BindingHealth.objects.create(binding=b, alert_emails="old@example.com")
+    before = finish(b, "FAILED")
+    BindingHealth.objects.filter(binding=b).update(alert_emails="old@example.com, new@outside.test")
+    after = finish(b, "FAILED")
+    alerts.scan()
+    assert alerts.drain() == 2
+    sent = {m.body.split("run_id: ")[1].split()[0]: m.to for m in mail.outbox}
+    assert sent == {
+        str(before.id): ["ops@example.com"],
+        str(after.id): ["old@example.com", "new@outside.test"],
+    }
+    before_alert = Alert.objects.get(run_id=before.id)
+    assert before_alert.payload["withheld"] == [
+        "old@example.com: recipients added after the event",
+        "new@outside.test: recipients added after the event",
+    ]
+
+
+def test_alerts__a_failure_before_the_webhook_was_chosen_is_not_posted_to_it(hook: str) -> None:
+    Hook.answers = []
+    with override_settings(
+        **{**BASE, "DISPATCH_ALERT_NOTIFIERS": ["webhook"]},
+        DISPATCH_ALERT_WEBHOOKS={"team-a": {"url": hook, "secret": ""}},
+    ):
+        b = BindingFactory()
+        BindingHealth.objects.create(binding=b)
+        before = finish(b, "FAILED")
+        BindingHealth.objects.filter(binding=b).update(alert_webhook="team-a")
+        after = finish(b, "FAILED")
+        alerts.scan()
+        assert alerts.drain() == 1
+    # No default webhook: the earlier failure has none to go to.
+    assert [json.loads(body)["run_id"] for _, body in Hook.received] == [str(after.id)]
+    assert not Alert.objects.filter(run_id=before.id).exists()
+
+
+def test_alerts__only_an_added_recipient_moves_the_settings_time() -> None:
+    """The trigger moves `alert_settings_changed_at` when an address or a named webhook is
+    added, from any writer; removing one, or another edit, leaves it."""
+    from tests.support.helpers import raw_connection
+
+    b = BindingFactory()
+    BindingHealth.objects.create(binding=b, alert_emails="a@example.com, b@example.com")
+
+    def changed_at() -> Any:
+        return BindingHealth.objects.values_list("alert_settings_changed_at", flat=True).get(
+            binding=b
+        )
+
+    def write(sql: str) -> None:
+        with raw_connection() as other:
+            other.execute(sql, [b.pk])
+            other.commit()
+
+    first = changed_at()
+    write(
+        "UPDATE dispatch_bindinghealth SET alert_emails = ' B@example.com',"
+        " alerts_muted = true WHERE binding_id = %s"
+    )
+    write("UPDATE dispatch_bindinghealth SET alert_webhook = '' WHERE binding_id = %s")
+    assert changed_at() == first
+    write(
+        "UPDATE dispatch_bindinghealth SET alert_emails = 'b@example.com, c@example.com'"
+        " WHERE binding_id = %s"
+    )
+    second = changed_at()
+    assert second > first
+    write("UPDATE dispatch_bindinghealth SET alert_webhook = 'team-a' WHERE binding_id = %s")
+    assert changed_at() > second
+
+
+def alert_user(*codenames: str) -> Any:
+    from django.contrib.auth.models import Permission, User
+
+    user = User.objects.create_user(f"u-{uuid.uuid4().hex[:8]}", password="x", is_staff=True)
+    user.user_permissions.set(Permission.objects.filter(codename__in=codenames))
+    return user
+
+
+@override_settings(
+    DISPATCH_ALERT_EMAIL_DOMAINS=["*"],
+    DISPATCH_ALERT_WEBHOOKS={"team-a": {"url": "https://hooks.example/a"}},
+)
+def test_alerts__setting_recipients_needs_the_permission_to_view_runs(client: Any) -> None:
+    """Binding and health rights alone (no run view) show the recipients read-only; a
+    crafted POST changes nothing. With `dispatch.view_run` they are set."""
+    rights = (
+        "view_jobbinding",
+        "change_jobbinding",
+        "view_bindinghealth",
+        "change_bindinghealth",
+        "add_bindinghealth",
+    )
+    b = BindingFactory()
+    BindingHealth.objects.create(binding=b, alert_emails="old@example.com")
+    url = f"/admin/dispatch/jobbinding/{b.pk}/change/"
+    client.force_login(alert_user(*rights))
+    page = client.get(url).content.decode()
+    assert 'name="health-0-alert_emails"' not in page and "old@example.com" in page
+    response = client.post(
+        url,
+        binding_post(b, alert_emails="x@outside.test", alert_webhook="team-a", alerts_muted="on"),
+    )
+    assert response.status_code == 302, response.content.decode()[-3000:]
+    h = health_of(b)
+    assert (h.alert_emails, h.alert_webhook, h.alerts_muted) == ("old@example.com", "", True)
+    client.force_login(alert_user(*rights, "view_run"))
+    assert 'name="health-0-alert_emails"' in client.get(url).content.decode()
+    response = client.post(url, binding_post(b, alert_emails="x@outside.test"))
+    assert response.status_code == 302, response.content.decode()[-3000:]
+    assert health_of(b).alert_emails == "x@outside.test"
+    # A binding without a health row yet: the row is added without the recipients.
+    other = BindingFactory()
+    client.force_login(alert_user(*rights))
+    other_url = f"/admin/dispatch/jobbinding/{other.pk}/change/"
+    assert (
+        client.post(other_url, binding_post(other, alert_emails="x@outside.test")).status_code
+        == 302
+    )
+    assert not BindingHealth.objects.filter(binding=other).exclude(alert_emails="").exists()
+
+
+def test_alerts__malformed_or_refused_domains_are_reported_by_system_checks() -> None:
+    from dispatch.checks import check_alert_email_domains, check_stored_alert_addresses
+
+    with override_settings(
+        DISPATCH_ALERT_EMAIL_DOMAINS=["example.com", "@example.org", "*.example.net", "a b"]
+    ):
+        errors = check_alert_email_domains()
+    assert [e.id for e in errors] == ["dispatch.E017"] * 3
+    messages = " ".join(e.msg for e in errors)
+    for entry in ("'@example.org'", "'*.example.net'", "'a b'"):
+        assert f"entry {entry} is not a domain" in messages
+    with override_settings(
+        DISPATCH_ALERT_EMAIL_DOMAINS="*, example.com, bücher.de, xn--bcher-kva.de"
+    ):
+        assert check_alert_email_domains() == []
+    b = BindingFactory()
+    BindingHealth.objects.create(binding=b, alert_emails="team@example.com, x@outside.test")
+    with override_settings(DISPATCH_ALERT_EMAIL_DOMAINS=["example.com"]):
+        (warning,) = check_stored_alert_addresses(databases=["default"])
+        assert warning.id == "dispatch.W002"
+        assert "1 binding(s)" in warning.msg and "outside.test" not in warning.msg
+    with override_settings(DISPATCH_ALERT_EMAIL_DOMAINS=["*"]):
+        assert check_stored_alert_addresses(databases=["default"]) == []

@@ -1,6 +1,7 @@
--- The table triggers that keep the marks on queued attempts (marks.sql, capacity.sql)
--- whatever wrote the change: the admin, a bulk update, a SQL client. Each trigger has the
--- name of its function.
+-- The table triggers: those that keep the marks on queued attempts (marks.sql,
+-- capacity.sql), and the one that times a binding's new alert recipients, whatever wrote
+-- the change: the admin, a bulk update, a SQL client. Each trigger has the name of its
+-- function.
 
 -- A new attempt gets its run's binding (a run never changes binding) and, if PENDING,
 -- the mark of what blocks it: something disabled, or the binding's capacity.
@@ -89,6 +90,30 @@ BEGIN
 END
 $$;
 
+-- A binding's alert settings gained a recipient (an address not there before, compared
+-- without case or blanks, or another named webhook): alert_settings_changed_at moves to
+-- now, whatever wrote the change. The health scan sends alerts of events before that time
+-- to the site's ADMINS and default webhook only (dispatch.ops.alerts), so an address
+-- added today is never told about yesterday's failures. A recipient removed, or a move to
+-- the site's default webhook (''), adds no one and leaves the time.
+CREATE OR REPLACE FUNCTION dispatch_alert_recipients_changed()
+RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF (NEW.alert_webhook <> '' AND NEW.alert_webhook IS DISTINCT FROM OLD.alert_webhook)
+       OR EXISTS (
+           SELECT 1
+           FROM unnest(string_to_array(NEW.alert_emails, ',')) AS n(address)
+           WHERE btrim(n.address) <> ''
+             AND lower(btrim(n.address)) NOT IN (
+                 SELECT lower(btrim(o.address))
+                 FROM unnest(string_to_array(OLD.alert_emails, ',')) AS o(address)))
+    THEN
+        NEW.alert_settings_changed_at := now();
+    END IF;
+    RETURN NEW;
+END
+$$;
+
 DROP TRIGGER IF EXISTS dispatch_attempt_before_insert ON dispatch_attempt;
 CREATE TRIGGER dispatch_attempt_before_insert BEFORE INSERT ON dispatch_attempt
     FOR EACH ROW EXECUTE FUNCTION dispatch_attempt_before_insert();
@@ -117,3 +142,10 @@ DROP TRIGGER IF EXISTS dispatch_datasource_enabled_changed ON dispatch_datasourc
 CREATE TRIGGER dispatch_datasource_enabled_changed AFTER UPDATE OF enabled ON dispatch_datasource
     FOR EACH ROW WHEN (OLD.enabled IS DISTINCT FROM NEW.enabled)
     EXECUTE FUNCTION dispatch_datasource_enabled_changed();
+
+DROP TRIGGER IF EXISTS dispatch_alert_recipients_changed ON dispatch_bindinghealth;
+CREATE TRIGGER dispatch_alert_recipients_changed
+    BEFORE UPDATE OF alert_emails, alert_webhook ON dispatch_bindinghealth
+    FOR EACH ROW WHEN (OLD.alert_emails IS DISTINCT FROM NEW.alert_emails
+                       OR OLD.alert_webhook IS DISTINCT FROM NEW.alert_webhook)
+    EXECUTE FUNCTION dispatch_alert_recipients_changed();
