@@ -23,7 +23,7 @@ from django.db.models import Max
 from django.db.models.functions import Now
 
 from dispatch import conf, deadline, sqlfiles
-from dispatch.models import Attempt, JobBinding, Run
+from dispatch.models import Attempt, BindingCursor, JobBinding, Run
 from dispatch.security import crypto
 from dispatch.states import (
     LIVE_STATUSES,
@@ -392,7 +392,9 @@ def set_binding_cursor(binding: JobBinding, cursor: list[str] | None, *, by: Any
     reads the rows above it: a backfill from there). Written to the sink, which holds the
     truth, in one transaction that bumps its version (an attempt running meanwhile cannot
     commit over it: its compare-and-set fails and its retry starts from the new cursor),
-    then to the console's copy. Returns the sink's new `incremental.CommittedCursor`."""
+    then to the console's copy. A value over `limits.MAX_CURSOR_VALUE_BYTES` is refused;
+    a cursor store the sink cannot read (a CSV file's state) is replaced, which the
+    result's `replaced` says. Returns the sink's new `incremental.CommittedCursor`."""
     from dispatch.connectors import incremental
     from dispatch.connectors.base import ConnectorError
     from dispatch.connectors.registry import UnknownKind, get
@@ -417,6 +419,8 @@ def set_binding_cursor(binding: JobBinding, cursor: list[str] | None, *, by: Any
             f"the cursor is over ({', '.join(inc.cursor)}): give {len(inc.cursor)} "
             "value(s) as a JSON list of strings",
         )
+    if cursor is not None and (big := incremental.oversized(inc.cursor, cursor)) is not None:
+        raise ActionRefused("BAD_CURSOR", incremental.too_large(*big))
     try:
         connector = get(binding.sink.kind)
     except UnknownKind as exc:
@@ -429,19 +433,28 @@ def set_binding_cursor(binding: JobBinding, cursor: list[str] | None, *, by: Any
         raise ActionRefused(
             "SINK_FAILED", "the sink's stored settings cannot be decrypted (unknown key?)"
         ) from None
+    # The new version goes above the console's copy too (a sink whose cursor store was
+    # replaced or made again restarts its versions; the copy only moves forward).
+    seen = BindingCursor.objects.filter(binding=binding).values_list("version", flat=True)
     try:
         committed = connector.set_cursor(
-            config, binding.job.sink_spec, binding.pk, inc.cursor, cursor
+            config,
+            binding.job.sink_spec,
+            binding.pk,
+            inc.cursor,
+            cursor,
+            after_version=max(seen, default=0),
         )
     except ConnectorError as exc:
         raise ActionRefused("SINK_FAILED", f"sink: {exc}") from None
     record_cursor_copy(binding.pk, committed, changed_by=_who(by) or "operator")
     log.info(
-        "binding cursor %s binding=%s version=%s by=%s",
+        "binding cursor %s binding=%s version=%s by=%s%s",
         "reset" if cursor is None else "set",
         binding.name,
         committed.version,
         _who(by) or "operator",
+        " (an unreadable cursor store was replaced)" if committed.replaced else "",
     )
     return committed
 

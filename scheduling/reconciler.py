@@ -38,10 +38,11 @@ from django.db import connection, transaction
 from psycopg import sql
 
 from dispatch import services
-from dispatch.db import DB_ERRORS, one_line
+from dispatch.db import DB_ERRORS
 from dispatch.models import JobBinding, Run
 from dispatch.states import Trigger
 from dispatch.worker import listen as dispatch_listen
+from dispatch.worker.log import db_error
 from scheduling import conf, cron, sqlfiles
 from scheduling.models import MisfirePolicy, OverlapPolicy, SkipReason
 
@@ -387,7 +388,7 @@ class ScheduleReconciler:
                         "reconciler=%s error=%s",
                         backoff,
                         self.name,
-                        one_line(exc),
+                        db_error(exc),
                     )
                     sleep = backoff
                     backoff = min(backoff * 2, RECONNECT_MAX_SECONDS)
@@ -436,7 +437,7 @@ class _Listener:
         log.warning(
             "schedule LISTEN connection unavailable, retrying in %.1fs error=%s",
             self.backoff,
-            one_line(exc),
+            db_error(exc),
         )
         self.backoff = min(self.backoff * 2, RECONNECT_MAX_SECONDS)
 
@@ -506,7 +507,7 @@ def register_at_startup() -> threading.Thread:
             )
         except DB_ERRORS as exc:  # a database that is down or slow: never stop the site
             log.warning(
-                "schedules not registered at start (the reconciler will) error=%s", one_line(exc)
+                "schedules not registered at start (the reconciler will) error=%s", db_error(exc)
             )
         except Exception:
             # The thread's boundary: the site starts anyway, and the traceback says why.

@@ -10,7 +10,8 @@ import uuid
 from django.db import connection, transaction
 
 from dispatch import sqlfiles as dispatch_sqlfiles
-from dispatch.db import DB_ERRORS, one_line
+from dispatch.db import DB_ERRORS
+from dispatch.worker.log import db_error
 from scheduling import conf, sqlfiles
 
 log = logging.getLogger("scheduling.wakeup")
@@ -36,4 +37,4 @@ def notify(schedule_id: uuid.UUID | str) -> None:
             with connection.cursor() as cursor:
                 cursor.execute(dispatch_sqlfiles.query("notify"), params)
     except DB_ERRORS as exc:
-        log.warning("schedule wake-up not sent schedule=%s error=%s", schedule_id, one_line(exc))
+        log.warning("schedule wake-up not sent schedule=%s error=%s", schedule_id, db_error(exc))

@@ -318,13 +318,21 @@ class CSVConnector(Connector):
         binding_id: Any,
         columns: tuple[str, ...],
         cursor: list[str] | None,
+        *,
+        after_version: int = 0,
     ) -> incremental.CommittedCursor:
         """An operator's reset (None) or set of a binding's cursor, in the file's state
-        (the file's size as it is now becomes its committed size)."""
+        (the file's size as it is now becomes its committed size; a state that cannot be
+        read is replaced, see csv_state.set_cursor)."""
         if spec.get("mode", "replace") != "append":
             raise PermanentError("a CSV sink keeps a cursor in append mode only")
         return csv_state.set_cursor(
-            resolve(config["base_dir"], spec["path"]), spec["path"], binding_id, columns, cursor
+            resolve(config["base_dir"], spec["path"]),
+            spec["path"],
+            binding_id,
+            columns,
+            cursor,
+            after_version=after_version,
         )
 
 

@@ -21,6 +21,11 @@ So the rows and the cursor commit together: a writer that dies before step 5 lea
 that the next commit cuts off, and the cursor where it was, so its successor reads those
 rows again; one that dies after step 5 has committed both. A reader of the file that must
 never see rows that may still be cut off reads up to the state's `size`.
+
+The state is read up to `limits.MAX_CSV_STATE_BYTES`, and a commit that would write a
+larger one is refused before it appends. A state that cannot be used (too large, not
+JSON, not a state of this format) fails every commit to the file; an operator's reset
+or set of a binding's cursor replaces it (`set_cursor`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Any
 
 from dispatch.connectors.base import PermanentError, TransientError
 from dispatch.connectors.incremental import CommittedCursor
+from dispatch.security import limits
 
 FORMAT = 1
 # How long a commit waits for another writer of the same file to finish its own.
@@ -68,9 +74,18 @@ def _open_no_follow(path: str, flags: int, what: str) -> int:
     return fd
 
 
+class StateUnreadable(PermanentError):
+    """The state file is there but cannot be used: larger than its reader takes, not
+    JSON, or not a dispatch state. An operator's reset or set replaces it."""
+
+    def __init__(self, what: str, problem: str) -> None:
+        super().__init__(f"{what} {problem}; reset or set the binding's cursor")
+        self.problem = problem
+
+
 def read(path: str, name: str) -> dict[str, Any]:
     """The state of the file at `path` (empty when it has none); `name` is the spec's
-    path, for messages."""
+    path, for messages. Raises StateUnreadable for a state that cannot be used."""
     what = f"the state file of {name!r}"
     try:
         fd = _open_no_follow(state_path(path), os.O_RDONLY, what)
@@ -78,14 +93,69 @@ def read(path: str, name: str) -> dict[str, Any]:
         if not os.path.lexists(state_path(path)):
             return {}
         raise
-    with open(fd, encoding="utf-8") as handle:
-        try:
-            state = json.loads(handle.read(1 << 20))
-        except ValueError:
-            raise PermanentError(f"{what} is not valid JSON; reset the cursor") from None
+    with open(fd, "rb") as handle:
+        data = handle.read(limits.MAX_CSV_STATE_BYTES + 1)
+    if len(data) > limits.MAX_CSV_STATE_BYTES:
+        raise StateUnreadable(what, f"is more than {limits.MAX_CSV_STATE_BYTES} bytes")
+    try:
+        state = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise StateUnreadable(what, "is not valid JSON") from None
+    problem = _shape_problem(state)
+    if problem is not None:
+        detail = "" if problem == "format" else f" (its {problem})"
+        raise StateUnreadable(what, f"is not a dispatch state of format {FORMAT}{detail}")
+    return state  # type: ignore[no-any-return]
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _uuid_text(value: Any) -> bool:
+    if value is None:
+        return True
+    try:
+        uuid.UUID(value)
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return True
+
+
+def _shape_problem(state: Any) -> str | None:
+    """What makes `state` other than a state this module wrote (None: nothing): every
+    field the commit and the cursor read is checked, so neither fails on a hand edit."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise PermanentError(f"{what} is not a dispatch state of format {FORMAT}")
-    return state
+        return "format"
+    if "size" in state and not _count(state["size"]):
+        return "size"
+    intent = state.get("intent")
+    if intent is not None and not (
+        isinstance(intent, dict)
+        and _count(intent.get("before"))
+        and (intent.get("after") is None or _count(intent.get("after")))
+    ):
+        return "intent"
+    cursors = state.get("cursors", {})
+    if not isinstance(cursors, dict):
+        return "cursors"
+    for key, entry in cursors.items():
+        if not (
+            _uuid_text(key)
+            and isinstance(entry, dict)
+            and _strings(entry.get("columns", []))
+            and (entry.get("cursor") is None or _strings(entry["cursor"]))
+            and _count(entry.get("version", 0))
+            and _uuid_text(entry.get("run_id"))
+            and _uuid_text(entry.get("attempt_id"))
+            and (entry.get("committed_at") is None or isinstance(entry["committed_at"], str))
+        ):
+            return "a binding's cursor"
+    return None
 
 
 def cursor_of(state: dict[str, Any], binding_id: uuid.UUID) -> CommittedCursor:
@@ -108,13 +178,28 @@ def cursor_of(state: dict[str, Any], binding_id: uuid.UUID) -> CommittedCursor:
     )
 
 
+def _encoded(state: dict[str, Any]) -> bytes:
+    return json.dumps({**state, "format": FORMAT}, sort_keys=True).encode("utf-8")
+
+
+def _fits(state: dict[str, Any], name: str) -> None:
+    """Refuse a state its reader would refuse (larger than it takes), before writing it."""
+    size = len(_encoded(state))
+    if size > limits.MAX_CSV_STATE_BYTES:
+        raise PermanentError(
+            f"the state file of {name!r} would be {size} bytes, more than the "
+            f"{limits.MAX_CSV_STATE_BYTES} its reader takes (too many bindings append to it)"
+        )
+
+
 def _write(path: str, state: dict[str, Any]) -> None:
     """Replace the state file atomically (write, fsync, rename, fsync the directory)."""
+    _fits(state, os.path.basename(path))
     directory = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".st")
     try:
-        with open(fd, "w", encoding="utf-8") as handle:
-            handle.write(json.dumps({**state, "format": FORMAT}, sort_keys=True))
+        with open(fd, "wb") as handle:
+            handle.write(_encoded(state))
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, state_path(path))
@@ -211,17 +296,12 @@ def commit(
                     "cursor"
                 )
         before = settle_file(path, name, state) if state else _size(path)
-        check()
-        state["size"] = before
-        state["intent"] = {"before": before, "after": None}
-        after = append(before, lambda total: _intend(path, state, before, total))
-        state.pop("intent", None)
-        state["size"] = after
+        entries: dict[str, Any] = {}  # this binding's entry, committed at step 5
         result = None
         if binding_id is not None:
             now = datetime.now(UTC).isoformat()
             version = (read_version or 0) + 1
-            state["cursors"][str(binding_id)] = {
+            entries[str(binding_id)] = {
                 "columns": list(columns or ()),
                 "cursor": cursor,
                 "version": version,
@@ -232,6 +312,25 @@ def commit(
             result = CommittedCursor(
                 binding_id, tuple(columns or ()), cursor, version, run_id, attempt_id, now
             )
+        # Before anything is written: neither the intent (step 3) nor the commit (step 5)
+        # may make a state its reader refuses. Sizes at their widest bound both.
+        widest = 2**63
+        _fits(
+            {
+                **state,
+                "cursors": {**state["cursors"], **entries},
+                "size": widest,
+                "intent": {"before": widest, "after": widest},
+            },
+            name,
+        )
+        check()
+        state["size"] = before
+        state["intent"] = {"before": before, "after": None}
+        after = append(before, lambda total: _intend(path, state, before, total))
+        state.pop("intent", None)
+        state["size"] = after
+        state["cursors"].update(entries)
         _write(path, state)
         return result
 
@@ -248,13 +347,29 @@ def set_cursor(
     binding_id: uuid.UUID,
     columns: tuple[str, ...],
     cursor: list[str] | None,
+    *,
+    after_version: int = 0,
 ) -> CommittedCursor:
-    """An operator's reset (None) or set of the binding's cursor; the version moves, and
-    the file's size as it is now becomes the committed size."""
+    """An operator's reset (None) or set of the binding's cursor; the version moves above
+    both the state's and `after_version` (the highest the caller has seen), and the file's
+    size as it is now becomes the committed size.
+
+    A state that cannot be read (StateUnreadable) is replaced by one holding this
+    binding's cursor alone, under the same lock and by the same atomic rename: otherwise
+    nothing could ever repair it but a hand edit. The other bindings' cursors in it are
+    lost (their next runs start from their spec's start), which `replaced` says."""
+    replaced = ""
     with locked(path, name):
-        state = read(path, name)
+        try:
+            state = read(path, name)
+        except StateUnreadable as exc:
+            state = {}
+            replaced = (
+                f"the state file of {name!r} {exc.problem}: it was replaced; any other "
+                "binding appending to the file starts again from its spec's start"
+            )
         state.setdefault("cursors", {})
-        version = cursor_of(state, binding_id).version + 1
+        version = max(cursor_of(state, binding_id).version, after_version) + 1
         now = datetime.now(UTC).isoformat()
         state["cursors"][str(binding_id)] = {
             "columns": list(columns),
@@ -267,4 +382,6 @@ def set_cursor(
         state.pop("intent", None)
         state["size"] = _size(path)
         _write(path, state)
-    return CommittedCursor(binding_id, tuple(columns), cursor, version, None, None, now)
+    return CommittedCursor(
+        binding_id, tuple(columns), cursor, version, None, None, now, replaced=replaced
+    )

@@ -11,6 +11,11 @@ reads") for the guarantees of each mode.
 Column names always reach SQL as identifiers (`psycopg.sql.Identifier`) and cursor values
 as parameters (their PostgreSQL text form, typed by the server from the column they are
 compared with): nothing from the spec is SQL text.
+
+Each cursor value is bounded (`limits.MAX_CURSOR_VALUE_BYTES` of its text form): the
+spec's `start`, an operator's set and the committed cursor a read starts from are
+checked, and `prepare` refuses a read whose new cursor holds a larger value before any
+row moves, so no sink, attempt or page ever holds one.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from psycopg import sql
 
 from dispatch.connectors import sqlsafety
 from dispatch.connectors.base import PermanentError, TransientError
+from dispatch.security import limits
 
 # Cursor values are stored and passed as PostgreSQL text (what `column::text` prints).
 CursorValue = list[str]
@@ -57,6 +63,23 @@ def _scalar_text(value: Any) -> str | None:
     return None
 
 
+def oversized(columns: tuple[str, ...], values: list[Any]) -> tuple[str, int] | None:
+    """The first cursor column whose value's text form is over the bound, with its size
+    in bytes; None when every value fits. Messages name the column, never the value."""
+    for column, value in zip(columns, values, strict=False):
+        size = len(str(value).encode("utf-8", "surrogatepass"))
+        if size > limits.MAX_CURSOR_VALUE_BYTES:
+            return column, size
+    return None
+
+
+def too_large(column: str, size: int) -> str:
+    return (
+        f"cursor column {column!r}: value is {size} bytes, more than the "
+        f"{limits.MAX_CURSOR_VALUE_BYTES} allowed"
+    )
+
+
 def parse(spec: dict[str, Any]) -> IncrementalSpec | None:
     """The source spec's `incremental` block, validated; None when the read is full.
     Messages name the field (`incremental.cursor`, ...)."""
@@ -80,6 +103,10 @@ def parse(spec: dict[str, Any]) -> IncrementalSpec | None:
         raise ValidationError("incremental.cursor: must be a non-empty list of column names")
     if len(set(cursor)) != len(cursor):
         raise ValidationError("incremental.cursor: a column is named twice")
+    if len(cursor) > limits.MAX_CURSOR_COLUMNS:
+        raise ValidationError(
+            f"incremental.cursor: at most {limits.MAX_CURSOR_COLUMNS} columns, not {len(cursor)}"
+        )
     start = block.get("start")
     start_text: tuple[str, ...] | None = None
     if start is not None:
@@ -94,6 +121,8 @@ def parse(spec: dict[str, Any]) -> IncrementalSpec | None:
                 "incremental.start: each value must be a string or a number (not null)"
             )
         start_text = tuple(t for t in texts if t is not None)
+        if (big := oversized(tuple(cursor), list(start_text))) is not None:
+            raise ValidationError(f"incremental.start: {too_large(*big)}")
     lookback = block.get("lookback_seconds")
     if lookback is not None and (
         not isinstance(lookback, int)
@@ -277,6 +306,9 @@ class CommittedCursor:
     run_id: uuid.UUID | None = None
     attempt_id: uuid.UUID | None = None
     committed_at: Any = None
+    # After an operator's reset or set: what it replaced that could not be read (a CSV
+    # file's state), for the operator; empty when nothing was.
+    replaced: str = ""
 
 
 def cursor_table(schema: str) -> sql.Composed:
@@ -382,24 +414,27 @@ def set_committed(
     *,
     columns: tuple[str, ...] | None,
     cursor: CursorValue | None,
+    after_version: int = 0,
 ) -> CommittedCursor:
     """An operator's reset (cursor None: the next run reads everything) or backfill point,
-    written to the sink in one transaction. It bumps the version, so an attempt that read
-    the old cursor cannot commit over it (its compare-and-set fails and it retries)."""
+    written to the sink in one transaction. It bumps the version above both the sink's
+    and `after_version` (the highest the caller has seen: a sink table dropped and made
+    again restarts at 1, and the console's copy moves only forward), so an attempt that
+    read the old cursor cannot commit over it (its compare-and-set fails and it retries)."""
     ensure_table(conn, schema)
     with conn.transaction():
         row = conn.execute(
             sql.SQL(
                 "INSERT INTO {t} AS c (binding_id, columns, cursor, version, committed_at)"
-                " VALUES (%s, %s, %s, 1, pg_catalog.now())"
+                " VALUES (%s, %s, %s, %s::bigint + 1, pg_catalog.now())"
                 " ON CONFLICT (binding_id) DO UPDATE SET"
                 " columns = EXCLUDED.columns, cursor = EXCLUDED.cursor,"
-                " version = c.version + 1, run_id = NULL, attempt_id = NULL,"
-                " committed_at = pg_catalog.now()"
+                " version = GREATEST(c.version + 1, EXCLUDED.version), run_id = NULL,"
+                " attempt_id = NULL, committed_at = pg_catalog.now()"
                 " RETURNING binding_id, columns, cursor, version, run_id, attempt_id,"
                 " committed_at"
             ).format(t=cursor_table(schema)),
-            [binding_id, list(columns) if columns is not None else None, cursor],
+            [binding_id, list(columns) if columns is not None else None, cursor, after_version],
         ).fetchone()
     assert row is not None
     return _committed(row)
@@ -445,10 +480,19 @@ def prepare(reader: Any, writer: Any) -> Prepared | None:
             f"({', '.join(committed.columns or ())}), the spec's over ({', '.join(inc.cursor)}); "
             "reset the binding's cursor to start again"
         )
+    if committed.cursor is not None and (big := oversized(inc.cursor, committed.cursor)):
+        # Committed before the bound existed, or written into the sink by hand.
+        raise PermanentError(
+            f"the sink's committed cursor: {too_large(*big)}; reset or set the binding's cursor"
+        )
     start = committed.cursor if committed.cursor is not None else _spec_start(inc)
     if getattr(writer, "already_committed", False):
         return Prepared(inc, committed, start, None)
     bounds: Bounds = reader.bound(start)
+    # Here, before the writer stages it and before any row moves: a source row whose
+    # cursor value is over the bound fails the run for good (every retry reads it again).
+    if bounds.cursor is not None and (big := oversized(inc.cursor, bounds.cursor)):
+        raise PermanentError(too_large(*big))
     writer.stage_cursor(inc.cursor, bounds.cursor)
     return Prepared(inc, committed, start, bounds)
 

@@ -161,10 +161,25 @@ def _test_connection(request: HttpRequest, datasource: Datasource) -> ActionResu
     return ActionResult("CONNECTION_OK")
 
 
+# How much of a cursor's JSON a page or a history entry shows (a value may be up to
+# limits.MAX_CURSOR_VALUE_BYTES, a copy written before that bound larger still).
+CURSOR_SHOWN_CHARS = 200
+
+
+def cursor_text(cursor: Any) -> str:
+    """A cursor's JSON, cut to CURSOR_SHOWN_CHARS with its full length said."""
+    text = json.dumps(cursor)
+    if len(text) <= CURSOR_SHOWN_CHARS:
+        return text
+    return f"{text[:CURSOR_SHOWN_CHARS]}… ({len(text)} characters in all)"
+
+
 def _reset_cursor(request: HttpRequest, binding: JobBinding) -> ActionResult:
     was = getattr(getattr(binding, "cursor_copy", None), "cursor", None)
-    services.set_binding_cursor(binding, None, by=request.user)
-    return ActionResult("CURSOR_RESET", detail=f"was {json.dumps(was)}")
+    committed = services.set_binding_cursor(binding, None, by=request.user)
+    return ActionResult(
+        "CURSOR_RESET", detail=f"was {cursor_text(was)}", warning=committed.replaced
+    )
 
 
 def _set_cursor(request: HttpRequest, binding: JobBinding) -> ActionResult:
@@ -180,8 +195,12 @@ def _set_cursor(request: HttpRequest, binding: JobBinding) -> ActionResult:
             "BAD_CURSOR", 'the cursor must be a JSON list of strings, e.g. ["2024-01-01", "42"]'
         ) from None
     was = getattr(getattr(binding, "cursor_copy", None), "cursor", None)
-    services.set_binding_cursor(binding, cursor, by=request.user)
-    return ActionResult("CURSOR_SET", detail=f"to {json.dumps(cursor)}, was {json.dumps(was)}")
+    committed = services.set_binding_cursor(binding, cursor, by=request.user)
+    return ActionResult(
+        "CURSOR_SET",
+        detail=f"to {cursor_text(cursor)}, was {cursor_text(was)}",
+        warning=committed.replaced,
+    )
 
 
 def _incremental(binding: JobBinding) -> bool:
@@ -739,7 +758,7 @@ class JobBindingAdmin(querypermission.QueryPermissionAdmin, ConsoleAdmin):
         return format_html(
             "<code>({})</code> = <code>{}</code><br>moved at {} by {} (version {})",
             ", ".join(copy.columns or []),
-            json.dumps(copy.cursor),
+            cursor_text(copy.cursor),
             copy.committed_at or copy.recorded_at,
             by,
             copy.version,

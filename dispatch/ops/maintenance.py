@@ -19,8 +19,9 @@ from collections.abc import Callable
 from django.db import connection
 
 from dispatch import conf
-from dispatch.db import DB_ERRORS, one_line
+from dispatch.db import DB_ERRORS
 from dispatch.ops import retention
+from dispatch.worker.log import db_error
 
 log = logging.getLogger("dispatch.maintenance")
 
@@ -59,7 +60,7 @@ def run_once(now: float | None = None, due: dict[str, float] | None = None) -> d
             done[name] = result = task()
         except Exception as exc:  # noqa: BLE001 - the loop's boundary: one task never stops the others
             if isinstance(exc, DB_ERRORS):
-                log.warning("maintenance task failed task=%s error=%s", name, one_line(exc))
+                log.warning("maintenance task failed task=%s error=%s", name, db_error(exc))
             else:  # a bug: the traceback says where
                 log.error("maintenance task failed task=%s", name, exc_info=True)
             done[name] = result = exc

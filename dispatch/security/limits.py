@@ -1,10 +1,16 @@
-"""Upper bounds on every number that reaches time arithmetic.
+"""Upper bounds on every number that reaches time arithmetic, and on the values that are
+stored, read back and shown again on every run.
 
 A value past these bounds (`backoff_seconds=1e300`) would make `now() + interval`
 overflow a timestamp inside a settle or a recovery pass. Each bound is enforced three
 times: by the model field's validators (a clear form error), by a database CHECK (no
 bulk update or SQL client gets past it), and by the connector's spec validation for the
 per-spec timeouts.
+
+An incremental cursor's values come from the source's rows: one of any size would be
+written with every commit (the sink's `dispatch_cursor`, a CSV file's state), onto the
+attempt, into the console's copy and onto the binding's page. The reader refuses a larger
+one before anything is written (dispatch/connectors/incremental.py).
 """
 
 from __future__ import annotations
@@ -21,3 +27,11 @@ MAX_ATTEMPTS = 100
 # int4: at most about 24 days).
 MAX_STATEMENT_TIMEOUT_SECONDS = DAY
 MAX_LOCK_TIMEOUT_SECONDS = 3_600
+# One value of an incremental cursor: the UTF-8 bytes of its text form (what
+# `column::text` prints). A timestamp, a number or a key is a few dozen bytes.
+MAX_CURSOR_VALUE_BYTES = 4_096
+# The columns of one incremental cursor (so one binding's cursor is at most 32 KiB).
+MAX_CURSOR_COLUMNS = 8
+# A CSV sink's state file (its size and every binding's cursor), as its reader takes it:
+# a commit that would write a larger one is refused before it appends.
+MAX_CSV_STATE_BYTES = 1 << 20

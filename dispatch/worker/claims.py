@@ -19,6 +19,7 @@ from django.db import DatabaseError, connection, transaction
 from dispatch import deadline
 from dispatch.db import storable
 from dispatch.sqlfiles import query
+from dispatch.worker.log import db_error
 
 log = logging.getLogger("dispatch.worker")
 P = ParamSpec("P")
@@ -285,7 +286,7 @@ def recover(limit: int = 500, *, refresh: bool = False) -> list[Recovered]:
                     with transaction.atomic():
                         refresh_blocked()
                 except DatabaseError as exc:
-                    log.error("refresh of blocked marks failed error=%s", exc)
+                    log.error("refresh of blocked marks failed error=%s", db_error(exc))
         settled.extend(batch)
         failed.extend(r.attempt_id for r in batch if r.outcome is None)
         if len(batch) < limit:

@@ -38,7 +38,7 @@ from django.db import ProgrammingError as DjangoProgrammingError
 from django.db import connection
 
 from dispatch import conf, deadline, services
-from dispatch.db import DB_ERRORS, one_line
+from dispatch.db import DB_ERRORS, loggable
 from dispatch.sqlfiles import query
 from dispatch.states import Reason, Status
 from dispatch.worker import claims, listen
@@ -46,6 +46,7 @@ from dispatch.worker.admission import Admission, SlotRefill
 from dispatch.worker.base import RECONNECT_MAX_SECONDS, Execution, TickReport
 from dispatch.worker.handover import ListenHandover
 from dispatch.worker.heartbeat import Heartbeat
+from dispatch.worker.log import db_error
 from dispatch.worker.runner import Runner, StopCause
 from dispatch.worker.stats import Histogram, WorkerSnapshot
 
@@ -131,7 +132,7 @@ class WorkerDispatchCoordinator(Admission, Heartbeat, ListenHandover):
                 log.error(
                     "the database is not migrated (run `manage.py migrate`) worker=%s error=%s",
                     self.worker_id,
-                    one_line(exc),
+                    db_error(exc),
                 )
                 raise SystemExit(
                     "dispatch.E013: the database is not migrated; run `manage.py migrate`."
@@ -142,7 +143,7 @@ class WorkerDispatchCoordinator(Admission, Heartbeat, ListenHandover):
                     "database unavailable, retrying in %.1fs worker=%s error=%s",
                     delay,
                     self.worker_id,
-                    one_line(exc),
+                    db_error(exc),
                 )
                 if self._sleep_or_stop(delay):
                     raise SystemExit(0) from None
@@ -195,7 +196,7 @@ class WorkerDispatchCoordinator(Admission, Heartbeat, ListenHandover):
                 )
         except DB_ERRORS as exc:
             log.warning(
-                "could not mark worker stopped worker=%s error=%s", self.worker_id, one_line(exc)
+                "could not mark worker stopped worker=%s error=%s", self.worker_id, db_error(exc)
             )
         for _ in range(self.concurrency):
             self._queue.put(None)
@@ -230,7 +231,7 @@ class WorkerDispatchCoordinator(Admission, Heartbeat, ListenHandover):
                 "database error, retrying in %.1fs worker=%s error=%s",
                 self._db_backoff,
                 self.worker_id,
-                one_line(exc),
+                db_error(exc),
             )
             self._db_backoff_until = time.monotonic() + self._db_backoff
             self._db_backoff = min(self._db_backoff * 2, RECONNECT_MAX_SECONDS)
@@ -247,7 +248,7 @@ class WorkerDispatchCoordinator(Admission, Heartbeat, ListenHandover):
                     r.run_id,
                     r.number,
                     self.worker_id,
-                    r.error,
+                    loggable(r.error or ""),
                 )
                 self._count("recovery_failures")
                 continue
@@ -289,7 +290,7 @@ class WorkerDispatchCoordinator(Admission, Heartbeat, ListenHandover):
                     "expiry error=%s",
                     c.run_id,
                     c.number,
-                    one_line(exc),
+                    db_error(exc),
                 )
                 continue
             if status is not None:
@@ -379,7 +380,7 @@ class WorkerDispatchCoordinator(Admission, Heartbeat, ListenHandover):
                         "outcome not recorded run=%s attempt=%s error=%s",
                         execution.claimed.run_id,
                         execution.claimed.number,
-                        one_line(exc),
+                        db_error(exc),
                     )
             except BaseException:  # noqa: BLE001 - an executor thread must never die
                 log.exception("executor crashed run=%s", execution.claimed.run_id)

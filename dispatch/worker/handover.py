@@ -12,10 +12,10 @@ import psycopg
 from psycopg import sql
 
 from dispatch import conf, deadline
-from dispatch.db import one_line
 from dispatch.worker import listen
 from dispatch.worker.base import RECONNECT_MAX_SECONDS, CoordinatorBase
 from dispatch.worker.listen import ListenOpening
+from dispatch.worker.log import db_error
 
 log = logging.getLogger("dispatch.worker")
 
@@ -155,7 +155,7 @@ class ListenHandover(CoordinatorBase):
             "worker=%s error=%s",
             self._listen_backoff,
             self.worker_id,
-            one_line(exc),
+            db_error(exc),
         )
         self._listen_backoff = min(self._listen_backoff * 2, RECONNECT_MAX_SECONDS)
         self._count("listen_reconnects")

@@ -7,9 +7,10 @@ import logging
 import time
 
 from dispatch import deadline
-from dispatch.db import DB_ERRORS, one_line
+from dispatch.db import DB_ERRORS
 from dispatch.worker import claims
 from dispatch.worker.base import STALE_HEARTBEATS, CoordinatorBase
+from dispatch.worker.log import db_error
 from dispatch.worker.runner import StopCause
 
 log = logging.getLogger("dispatch.worker")
@@ -149,7 +150,7 @@ class Heartbeat(CoordinatorBase):
                 self.heartbeat_once()
             except DB_ERRORS as exc:
                 self._reset_connection()
-                log.error("heartbeat failed worker=%s error=%s", self.worker_id, one_line(exc))
+                log.error("heartbeat failed worker=%s error=%s", self.worker_id, db_error(exc))
                 self._stop_threads.wait(0.5)
             except Exception:  # noqa: BLE001 - the heartbeat thread must never die
                 log.exception("heartbeat crashed worker=%s", self.worker_id)

@@ -34,7 +34,7 @@ from dispatch.security import crypto
 from dispatch.states import Reason, Status
 from dispatch.worker import claims
 from dispatch.worker.claims import ClaimedAttempt
-from dispatch.worker.log import where
+from dispatch.worker.log import db_error, where
 
 log = logging.getLogger("dispatch.runner")
 
@@ -189,7 +189,7 @@ class AttemptFence:
         except DjangoDBError as exc:
             with contextlib.suppress(*DB_ERRORS):
                 connection.close()
-            raise LeaseLost(f"the lease could not be confirmed: {exc}") from None
+            raise LeaseLost(f"the lease could not be confirmed: {db_error(exc)}") from None
         if not found:
             raise LeaseLost("the attempt is no longer this worker's")
 
@@ -330,7 +330,7 @@ class Runner:
                 self._log(
                     "outcome not recorded yet, retrying in %.1fs error=%s",
                     delay,
-                    one_line(exc),
+                    db_error(exc),
                     level=logging.WARNING,
                 )
                 with contextlib.suppress(*DB_ERRORS):
@@ -415,7 +415,11 @@ class Runner:
                 result = writer.commit()
         except FenceRejected as exc:
             self.on_event("fenced_commits")
-            self._log("stale commit refused by the sink fence: %s", exc, level=logging.WARNING)
+            # What a log line quotes of a connector's error is escaped (`one_line`): a
+            # source or sink must not be able to write log lines of its own.
+            self._log(
+                "stale commit refused by the sink fence: %s", one_line(exc), level=logging.WARNING
+            )
             return None
         except (Stopped, LeaseLost) as exc:
             return self._stopped(exc)
@@ -505,7 +509,7 @@ class Runner:
         self._log(
             "attempt stopped without recording cause=%s detail=%s",
             cause.value if cause else "lease_lost",
-            exc,
+            one_line(exc),
             level=logging.WARNING,
         )
         return None

@@ -217,6 +217,8 @@ class PostgreSQLConnector(Connector):
         binding_id: uuid.UUID,
         columns: tuple[str, ...],
         cursor: list[str] | None,
+        *,
+        after_version: int = 0,
     ) -> incremental.CommittedCursor:
         """An operator's reset (None) or set of a binding's committed cursor, in the sink
         database beside the fence (`incremental.set_committed`)."""
@@ -231,7 +233,12 @@ class PostgreSQLConnector(Connector):
                     schema = row[0] if row else "public"
                 conn.commit()
                 return incremental.set_committed(
-                    conn, schema, binding_id, columns=columns, cursor=cursor
+                    conn,
+                    schema,
+                    binding_id,
+                    columns=columns,
+                    cursor=cursor,
+                    after_version=after_version,
                 )
         finally:
             conn.close()
