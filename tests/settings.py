@@ -6,6 +6,7 @@ throwaway keys that exist only for tests.
 
 from __future__ import annotations
 
+import getpass
 import os
 import tempfile
 
@@ -18,9 +19,23 @@ os.environ.setdefault("DISPATCH_POLL_INTERVAL", "0.5")
 os.environ.setdefault("DISPATCH_RECOVERY_INTERVAL", "1")
 os.environ.setdefault("DISPATCH_IDLE_HEARTBEAT_SECONDS", "1")
 os.environ.setdefault("DISPATCH_SHUTDOWN_GRACE_SECONDS", "5")
+
+
 # CSV datasources are off without this: the tests' files live under pytest's temporary
-# directories (tmp_path), and worker subprocesses inherit the variable.
-os.environ.setdefault("DISPATCH_CSV_BASE_DIRS", tempfile.gettempdir())
+# directories (tmp_path, under <tmp>/pytest-of-<user>), and worker subprocesses inherit the
+# variable. Not the whole temporary directory: a checkout under it is on sys.path, and a
+# directory that contains a sys.path entry is refused (docs/security.md, "CSV files").
+def _pytest_temp_root() -> str:
+    try:
+        user = getpass.getuser()
+    except (ImportError, KeyError, OSError):
+        user = "unknown"  # pytest's own fallback for its temporary root
+    root = os.path.join(tempfile.gettempdir(), f"pytest-of-{user}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    return root
+
+
+os.environ.setdefault("DISPATCH_CSV_BASE_DIRS", _pytest_temp_root())
 
 from project.settings import *  # noqa: E402,F403
 
