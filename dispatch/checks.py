@@ -29,6 +29,7 @@ CHECK_IDS: dict[str, str] = {
     "dispatch.E013": "the dispatch/scheduling migrations are not all applied (runworker refuses)",
     "dispatch.E014": "DISPATCH_ALERT_WEBHOOKS or DISPATCH_ALERT_WEBHOOK_URL cannot be used",
     "dispatch.E015": "DISPATCH_LISTEN_URL cannot be used (scheme, parse, host, port, sslmode)",
+    "dispatch.E016": "DISPATCH_APPLY_ENV_PREFIX or DISPATCH_APPLY_SECRET_DIRS cannot be used",
     "dispatch.W001": "DISPATCH_HEALTH_SCAN_LAG is shorter than DISPATCH_COORDINATION_TIMEOUT",
 }
 
@@ -216,6 +217,39 @@ def check_listen_url(app_configs: Any = None, **kwargs: Any) -> list[Error]:
             )
         ]
     return []
+
+
+@register()
+def check_apply_secret_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """dispatch.E016: where definition files may take secrets from is unsafe: an env
+    prefix that covers the site's own secret variables (or is no name), or a secrets
+    directory that is relative or a system directory. Definition files can be applied
+    over HTTP, and a datasource sends its secrets to the host its config names."""
+    from dispatch.security import secretrefs
+
+    errors = []
+    problem = secretrefs.prefix_problem(conf.apply_env_prefix())
+    if problem:
+        errors.append(
+            Error(
+                f"DISPATCH_APPLY_ENV_PREFIX cannot be used: {problem}.",
+                hint="Use a prefix only datasource secrets carry, e.g. DISPATCH_SECRET_ "
+                "(empty: env: references are off).",
+                id="dispatch.E016",
+            )
+        )
+    for path in conf.apply_secret_dirs():
+        problem = secretrefs.dir_problem(path)
+        if problem:
+            errors.append(
+                Error(
+                    f"DISPATCH_APPLY_SECRET_DIRS cannot be used: {problem}.",
+                    hint="List only directories that hold secrets for datasources, e.g. "
+                    "/run/secrets/dispatch.",
+                    id="dispatch.E016",
+                )
+            )
+    return errors
 
 
 @register()

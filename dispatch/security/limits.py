@@ -21,3 +21,12 @@ MAX_ATTEMPTS = 100
 # int4: at most about 24 days).
 MAX_STATEMENT_TIMEOUT_SECONDS = DAY
 MAX_LOCK_TIMEOUT_SECONDS = 3_600
+
+# Definition files (dispatch.ascode): one file or request body; the objects one apply may
+# define; the YAML nodes (scalars, lists, mappings) of one file. A file past them is
+# refused before anything is built from it.
+MAX_DEFINITION_BYTES = 1024 * 1024
+MAX_DEFINITION_OBJECTS = 5_000
+MAX_DEFINITION_NODES = 200_000
+# A secret read from a `file:` reference.
+MAX_SECRET_FILE_BYTES = 64 * 1024
