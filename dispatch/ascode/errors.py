@@ -8,6 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def where(file: str, line: int | None) -> str:
+    """`file:line`, or the file alone when the line is unknown."""
+    return f"{file}:{line}" if line else file
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong with the definitions. `line` is 1-based; None when unknown (a
@@ -19,8 +24,8 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        where = f"{self.file}:{self.line}" if self.line else self.file
-        return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
+        at = where(self.file, self.line)
+        return f"{at}: {self.path}: {self.message}" if self.path else f"{at}: {self.message}"
 
     def as_dict(self) -> dict[str, Any]:
         return {"file": self.file, "line": self.line, "path": self.path, "message": self.message}

@@ -79,7 +79,7 @@ class Definition:
     name: str
     values: dict[str, Any]
     source: str
-    line: int
+    line: int | None
     path: tuple[str, ...]
     doc: Document
     # A datasource's secret references by config key ("env:NAME"): stored, never values.

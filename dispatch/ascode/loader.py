@@ -39,14 +39,15 @@ _SCALAR_TAGS = {f"{_YAML}{t}" for t in ("str", "int", "float", "bool", "null")}
 
 @dataclass
 class Document:
-    """One YAML document: its data and the line (1-based) of every key and item."""
+    """One YAML document: its data and the line (1-based) of every key and item. Data
+    parsed elsewhere (a JSON body) has no lines."""
 
     source: str
     data: Any
     lines: dict[PathKey, int] = field(default_factory=dict, repr=False)
-    start_line: int = 1
+    start_line: int | None = None
 
-    def line(self, path: Iterable[str | int]) -> int:
+    def line(self, path: Iterable[str | int]) -> int | None:
         """The line of `path`, else of its nearest ancestor that has one."""
         key = tuple(path)
         while key:

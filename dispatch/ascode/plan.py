@@ -17,7 +17,7 @@ from typing import Any
 
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 
-from dispatch.ascode.errors import DefinitionError, Problem
+from dispatch.ascode.errors import DefinitionError, Problem, where
 from dispatch.ascode.kinds import Definition, Kind, all_kinds, secret_keys, stored_config
 from dispatch.ascode.loader import Document, dotted
 from dispatch.models import MANAGED_BY_FILES, SECRET_MASK
@@ -70,8 +70,8 @@ class Change:
     definition: Definition | None = field(default=None, repr=False)
 
     def heading(self) -> str:
-        where = f"  ({self.file}:{self.line})" if self.file else ""
-        return f"{_MARK[self.action]} {self.label} {self.name}: {self.action}{where}"
+        at = f"  ({where(self.file, self.line)})" if self.file else ""
+        return f"{_MARK[self.action]} {self.label} {self.name}: {self.action}{at}"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -323,7 +323,7 @@ def _collect(
                         definition.line,
                         definition.path,
                         f"the {kind.label} {name} is defined twice (first in "
-                        f"{first.source}:{first.line})",
+                        f"{where(first.source, first.line)})",
                     )
                     continue
                 definitions[kind.key][name] = definition

@@ -405,3 +405,28 @@ def test_plan__as_data_for_the_api(secret_env: str) -> None:
         "new": "(from env:DISPATCH_SECRET_WH_PASSWORD)",
     } in warehouse["fields"]
     assert SECRET not in repr(data) and SECRET not in repr(plan)
+
+
+def test_plan__takes_data_parsed_elsewhere() -> None:
+    """The HTTP API may hand over a parsed JSON body: same checks, paths without lines."""
+    document = ascode.Document(
+        source="request",
+        data={"jobs": {"copy": {"max_attempts": 0}}, "bindings": {"b": {"job": "copy"}}},
+    )
+    with pytest.raises(ascode.DefinitionError) as caught:
+        ascode.plan([document])
+
+    assert [p.as_dict() for p in caught.value.problems] == [
+        {
+            "file": "request",
+            "line": None,
+            "path": "bindings.b.source",
+            "message": "this field is required",
+        },
+        {
+            "file": "request",
+            "line": None,
+            "path": "bindings.b.sink",
+            "message": "this field is required",
+        },
+    ]
