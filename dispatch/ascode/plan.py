@@ -184,68 +184,90 @@ def plan(documents: list[Document], *, prune: bool = False) -> Plan:
         orphans=[f"{k.label} {row.name}" for k in kinds for row in orphans[k.key].values()],
     )
     for kind in kinds:
-        for name, definition in definitions[kind.key].items():
-            row = existing[kind.key].get(name)
-            obj = instances[(kind.key, name)]
-            if row is None:
-                action, fields = CREATE, _created_fields(kind, definition)
-            else:
-                fields = _changed_fields(kind, row, definition)
-                action = CHANGE if fields else UNCHANGED
-                result.seen[(kind.key, row.pk)] = (row.name, kind.fingerprint(row))
-            result.changes.append(
-                Change(
-                    kind=kind.key,
-                    label=kind.label,
-                    name=name,
-                    action=action,
-                    fields=fields,
-                    file=definition.source,
-                    line=definition.line,
-                    permissions=frozenset(
-                        kind.permissions(obj, row, action) if action != UNCHANGED else ()
-                    ),
-                    pk=row.pk if row is not None else None,
-                    definition=definition,
-                )
-            )
-            # What the object refers to, in the database only: it must not change or go.
-            for f in kind.fields:
-                target = definition.values[f.key] if f.ref else None
-                if target is not None and target not in definitions[f.ref]:  # type: ignore[index]
-                    ref_kind = next(k for k in kinds if k.key == f.ref)
-                    ref_row = existing[ref_kind.key][target]
-                    result.seen[(ref_kind.key, ref_row.pk)] = (
-                        ref_row.name,
-                        ref_kind.fingerprint(ref_row),
-                    )
+        for definition in definitions[kind.key].values():
+            _add_defined(result, kinds, kind, definition, definitions, existing, instances)
     if prune:
         for kind in reversed(kinds):
-            for name, row in existing[kind.key].items():
-                if row.pk in deleting.get(kind.key, ()):
-                    result.seen[(kind.key, row.pk)] = (name, kind.fingerprint(row))
-                    result.changes.append(
-                        Change(
-                            kind=kind.key,
-                            label=kind.label,
-                            name=name,
-                            action=DELETE,
-                            permissions=frozenset(kind.permissions(row, row, DELETE)),
-                            pk=row.pk,
-                        )
-                    )
-                elif (kind.key, row.pk) in kept:
-                    result.changes.append(
-                        Change(
-                            kind=kind.key,
-                            label=kind.label,
-                            name=name,
-                            action=KEEP,
-                            reason=f"not deleted: {kept[(kind.key, row.pk)]}",
-                            pk=row.pk,
-                        )
-                    )
+            for row in orphans[kind.key].values():
+                _add_orphan(result, kind, row, deleting, kept)
     return result
+
+
+def _add_defined(
+    result: Plan,
+    kinds: list[Kind],
+    kind: Kind,
+    definition: Definition,
+    definitions: dict[str, dict[str, Definition]],
+    existing: dict[str, dict[str, Any]],
+    instances: dict[tuple[str, str], Any],
+) -> None:
+    """The change of one object the files define, and the fingerprints of the stored rows
+    it relies on (itself, and what it names that the files do not define)."""
+    row = existing[kind.key].get(definition.name)
+    if row is None:
+        action, fields = CREATE, _created_fields(kind, definition)
+    else:
+        fields = _changed_fields(kind, row, definition)
+        action = CHANGE if fields else UNCHANGED
+        result.seen[(kind.key, row.pk)] = (row.name, kind.fingerprint(row))
+    obj = instances[(kind.key, definition.name)]
+    result.changes.append(
+        Change(
+            kind=kind.key,
+            label=kind.label,
+            name=definition.name,
+            action=action,
+            fields=fields,
+            file=definition.source,
+            line=definition.line,
+            permissions=frozenset(
+                kind.permissions(obj, row, action) if action != UNCHANGED else ()
+            ),
+            pk=row.pk if row is not None else None,
+            definition=definition,
+        )
+    )
+    for f in kind.fields:
+        target = definition.values[f.key] if f.ref else None
+        if f.ref is None or target is None or target in definitions[f.ref]:
+            continue
+        ref_kind = next(k for k in kinds if k.key == f.ref)
+        ref_row = existing[f.ref][target]
+        result.seen[(f.ref, ref_row.pk)] = (ref_row.name, ref_kind.fingerprint(ref_row))
+
+
+def _add_orphan(
+    result: Plan,
+    kind: Kind,
+    row: Any,
+    deleting: dict[str, set[Any]],
+    kept: dict[tuple[str, Any], str],
+) -> None:
+    """What `--prune` does to a managed row the files no longer define."""
+    if row.pk in deleting.get(kind.key, ()):
+        result.seen[(kind.key, row.pk)] = (row.name, kind.fingerprint(row))
+        result.changes.append(
+            Change(
+                kind=kind.key,
+                label=kind.label,
+                name=row.name,
+                action=DELETE,
+                permissions=frozenset(kind.permissions(row, row, DELETE)),
+                pk=row.pk,
+            )
+        )
+    elif (kind.key, row.pk) in kept:
+        result.changes.append(
+            Change(
+                kind=kind.key,
+                label=kind.label,
+                name=row.name,
+                action=KEEP,
+                reason=f"not deleted: {kept[(kind.key, row.pk)]}",
+                pk=row.pk,
+            )
+        )
 
 
 # --- structure -----------------------------------------------------------------------------
