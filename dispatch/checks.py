@@ -33,6 +33,7 @@ CHECK_IDS: dict[str, str] = {
     "dispatch.E016": "a DISPATCH_CSV_BASE_DIRS entry is refused itself (not absolute, or a "
     "system, Python, PATH or home directory, in one or containing one)",
     "dispatch.E017": "an entry of DISPATCH_ALERT_EMAIL_DOMAINS is neither a domain nor '*'",
+    "dispatch.E018": "DISPATCH_APPLY_ENV_PREFIX or DISPATCH_APPLY_SECRET_DIRS cannot be used",
     "dispatch.W001": "DISPATCH_HEALTH_SCAN_LAG is shorter than DISPATCH_COORDINATION_TIMEOUT",
     "dispatch.W002": "stored alert addresses of bindings are outside DISPATCH_ALERT_EMAIL_DOMAINS",
 }
@@ -318,6 +319,39 @@ def check_csv_base_dirs(app_configs: Any = None, **kwargs: Any) -> list[Error]:
                     "home directory of the user the site and its workers run as (e.g. "
                     '/srv/dispatch/csv); see docs/security.md, "CSV files".',
                     id="dispatch.E016",
+                )
+            )
+    return errors
+
+
+@register()
+def check_apply_secret_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """dispatch.E018: where definition files may take secrets from is unsafe: an env
+    prefix that covers the site's own secret variables (or is no name), or a secrets
+    directory that is relative or a system directory. Definition files can be applied
+    over HTTP, and a datasource sends its secrets to the host its config names."""
+    from dispatch.security import secretrefs
+
+    errors = []
+    problem = secretrefs.prefix_problem(conf.apply_env_prefix())
+    if problem:
+        errors.append(
+            Error(
+                f"DISPATCH_APPLY_ENV_PREFIX cannot be used: {problem}.",
+                hint="Use a prefix only datasource secrets carry, e.g. DISPATCH_SECRET_ "
+                "(empty: env: references are off).",
+                id="dispatch.E018",
+            )
+        )
+    for path in conf.apply_secret_dirs():
+        problem = secretrefs.dir_problem(path)
+        if problem:
+            errors.append(
+                Error(
+                    f"DISPATCH_APPLY_SECRET_DIRS cannot be used: {problem}.",
+                    hint="List only directories that hold secrets for datasources, e.g. "
+                    "/run/secrets/dispatch.",
+                    id="dispatch.E018",
                 )
             )
     return errors

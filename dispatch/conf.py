@@ -86,6 +86,21 @@ def csv_base_dirs() -> list[str]:
     return [d.strip() for d in dirs if d.strip()]
 
 
+def apply_env_prefix() -> str:
+    """The prefix every `env:` secret reference of definition files must start with
+    (dispatch.ascode): an apply reads no other environment variable."""
+    return str(getattr(settings, "DISPATCH_APPLY_ENV_PREFIX", "DISPATCH_SECRET_"))
+
+
+def apply_secret_dirs() -> list[str]:
+    """Directories a `file:` secret reference must resolve into; empty: file references
+    are refused."""
+    dirs = getattr(settings, "DISPATCH_APPLY_SECRET_DIRS", [])
+    if isinstance(dirs, str):
+        dirs = dirs.split(",")
+    return [d.strip() for d in dirs if d.strip()]
+
+
 def listen_url() -> str:
     """Where LISTEN connections go (direct to PostgreSQL, never a transaction pooler);
     empty: the default database's settings."""

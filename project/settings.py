@@ -184,6 +184,10 @@ DISPATCH_LISTEN_PROBE_TIMEOUT = _float("DISPATCH_LISTEN_PROBE_TIMEOUT", 5.0)
 # Directories csv datasources' base_dir must lie in (comma-separated); empty: CSV
 # datasources are disabled (docs/security.md).
 DISPATCH_CSV_BASE_DIRS = env.list("DISPATCH_CSV_BASE_DIRS", default=[])
+# Definition files (docs/as-code.md): the environment variables and directories their
+# secret references may name.
+DISPATCH_APPLY_ENV_PREFIX = env.str("DISPATCH_APPLY_ENV_PREFIX", default="DISPATCH_SECRET_")
+DISPATCH_APPLY_SECRET_DIRS = env.list("DISPATCH_APPLY_SECRET_DIRS", default=[])
 # Hosts database datasources may connect to (comma-separated): * (any TCP host),
 # names, *.domain, addresses, networks (10.0.0.0/8), socket directories (/run/postgresql).
 # Default *: any TCP host, no Unix sockets (docs/security.md).

@@ -19,6 +19,7 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone as dj_timezone
 from django.utils.html import format_html, format_html_join
 
+from dispatch.console.managed import ManagedByFilesAdmin
 from scheduling import cron
 from scheduling.models import Schedule
 
@@ -87,7 +88,15 @@ class ScheduleForm(forms.ModelForm):
 
     class Meta:
         model = Schedule
-        fields = ["binding", "cron", "timezone", "enabled", "misfire_policy", "overlap_policy"]
+        fields = [
+            "name",
+            "binding",
+            "cron",
+            "timezone",
+            "enabled",
+            "misfire_policy",
+            "overlap_policy",
+        ]
 
     def clean(self) -> dict[str, Any]:
         super().clean()
@@ -118,10 +127,11 @@ class ScheduleForm(forms.ModelForm):
 
 
 @admin.register(Schedule)
-class ScheduleAdmin(admin.ModelAdmin):
+class ScheduleAdmin(ManagedByFilesAdmin):
     form = ScheduleForm
     list_display = [
         "cron_expression",
+        "name",
         "binding_link",
         "timezone",
         "enabled",
@@ -134,7 +144,7 @@ class ScheduleAdmin(admin.ModelAdmin):
     ]
     list_display_links = ["cron_expression"]
     list_filter = ["enabled", "misfire_policy", "overlap_policy", "last_skip_reason", "timezone"]
-    search_fields = ["binding__name", "cron", "timezone"]
+    search_fields = ["name", "binding__name", "cron", "timezone"]
     # One query for the page: the binding and the last run are joined, the upcoming
     # times are computed from the row itself.
     list_select_related = ["binding", "last_run"]
@@ -162,11 +172,11 @@ class ScheduleAdmin(admin.ModelAdmin):
     actions = ["enable_schedules", "disable_schedules"]
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
-        main = ["binding", "cron", "timezone", "enabled"]
+        main = ["name", "binding", "cron", "timezone", "enabled"]
         if obj is None:  # nothing to show about a schedule that does not exist yet
             return [(None, {"fields": main}), ("Policies", {"fields": POLICY_FIELDS})]
         return [
-            (None, {"fields": [*main[:3], "explanation", main[3]]}),
+            (None, {"fields": [*main[:4], "explanation", main[4]]}),
             ("Policies", {"fields": POLICY_FIELDS}),
             ("State", {"fields": self.state_fields}),
         ]

@@ -10,6 +10,9 @@ class SchedulingConfig(AppConfig):
     # Read by dispatch's invariant checker (dispatch.verify.invariants.app_checks), which
     # never imports this app: the schedules' slots against the runs they created.
     invariant_checks = ("scheduling.verify.check",)
+    # Read by dispatch's definition files (dispatch.ascode.kinds.all_kinds), which never
+    # import this app: the `schedules` section.
+    ascode_kinds = ("scheduling.ascode.ScheduleKind",)
 
     def ready(self) -> None:
         # Registers the system checks. No database access here: `migrate` must work on an

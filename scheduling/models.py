@@ -17,6 +17,8 @@ from django.db.models.functions import Now
 
 from dispatch.db import db_now
 from dispatch.models import JobBinding, Run
+from dispatch.models.core import managed_by_field
+from dispatch.security import names
 from scheduling import cron as cronexpr
 from scheduling import wakeup
 
@@ -86,6 +88,16 @@ class Schedule(models.Model):
     """A cron schedule on a binding; each slot creates one run (trigger SCHEDULE)."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    # The stable name definition files key a schedule by. Left blank, `save()` derives one
+    # from the binding's; NULL only on rows written around the model (older releases, SQL).
+    name = models.CharField(
+        max_length=200,
+        unique=True,
+        null=True,
+        blank=True,
+        validators=[names.validate_name],
+        help_text="A stable name (definition files use it); blank: derived from the binding.",
+    )
     binding = models.ForeignKey(JobBinding, on_delete=models.PROTECT, related_name="schedules")
     cron = models.CharField(
         max_length=200,
@@ -125,6 +137,7 @@ class Schedule(models.Model):
     )
     last_skip_at = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(db_default=Now(), editable=False)
+    managed_by = managed_by_field()
 
     objects = ScheduleQuerySet.as_manager()
 
@@ -142,6 +155,7 @@ class Schedule(models.Model):
             models.CheckConstraint(
                 condition=Q(skip_count__gte=0), name="scheduling_schedule_skip_count_min"
             ),
+            names.name_check("scheduling_schedule"),
         ]
         indexes = [
             # The reconciler's due_schedule (next_fire_at <= now()) and next_due_in
@@ -169,6 +183,8 @@ class Schedule(models.Model):
         """
         self.cron = cronexpr.normalize(self.cron or "")
         self._validate_expression()
+        if not self.name:
+            self.name = self.default_name()
         update_fields = kwargs.get("update_fields")
         with transaction.atomic():
             if not self._state.adding:
@@ -199,6 +215,11 @@ class Schedule(models.Model):
             # After the commit, outside any transaction: a wake-up that fails (a full
             # notification queue) must never fail the save (scheduling.wakeup).
             transaction.on_commit(lambda: wakeup.notify(schedule_id))
+
+    def default_name(self) -> str:
+        """`<binding>-<8 hex digits of the id>`: unique by the id, readable by the binding."""
+        binding = self.binding.name if self.binding_id else "schedule"
+        return f"{binding[:190]}-{self.id.hex[:8]}"
 
     def slots(self) -> cronexpr.Slots:
         return cronexpr.Slots(self.cron, self.timezone)

@@ -118,6 +118,7 @@ def test_wheel__holds_every_file_the_apps_need_and_nothing_of_the_repository(whe
         *(ROOT / "scheduling" / "sql").rglob("*.sql"),
         *(ROOT / "dispatch" / "templates").rglob("*.html"),
         *(ROOT / "scheduling").glob("templates/**/*.html"),
+        ROOT / "dispatch" / "ascode" / "schema.json",
     ]:
         assert path.relative_to(ROOT).as_posix() in names, f"{path} missing from the wheel"
     metadata = zipfile.ZipFile(wheel).read("django_dispatch_sync-0.1.0.dist-info/METADATA")

@@ -61,6 +61,7 @@ from dispatch.console.badges import (
     status_badge,
 )
 from dispatch.console.forms import DatasourceForm, config_field_names
+from dispatch.console.managed import ManagedByFilesAdmin
 from dispatch.console.overview import overview_view
 from dispatch.console.paging import CappedPaginator
 from dispatch.models import (
@@ -484,7 +485,7 @@ def _attempt_count(group: str, **filters: Any) -> Coalesce:
 
 
 @admin.register(Datasource)
-class DatasourceAdmin(querypermission.QueryPermissionAdmin, ConsoleAdmin):
+class DatasourceAdmin(ManagedByFilesAdmin, querypermission.QueryPermissionAdmin, ConsoleAdmin):
     form = DatasourceForm
     # Re-pointing a datasource a query binding reads needs the query permission
     # (dispatch.security.sqlperm).
@@ -657,7 +658,7 @@ class BindingAlertsInline(admin.StackedInline):  # type: ignore[type-arg]
 
 
 @admin.register(Job)
-class JobAdmin(querypermission.QueryPermissionAdmin, ConsoleAdmin):
+class JobAdmin(ManagedByFilesAdmin, querypermission.QueryPermissionAdmin, ConsoleAdmin):
     # Source queries need a permission of their own (dispatch.security.sqlperm).
     form_wrapper = staticmethod(querypermission.job_form)
     guard = staticmethod(querypermission.guard_job_save)
@@ -690,7 +691,7 @@ class JobAdmin(querypermission.QueryPermissionAdmin, ConsoleAdmin):
 
 
 @admin.register(JobBinding)
-class JobBindingAdmin(querypermission.QueryPermissionAdmin, ConsoleAdmin):
+class JobBindingAdmin(ManagedByFilesAdmin, querypermission.QueryPermissionAdmin, ConsoleAdmin):
     form_wrapper = staticmethod(querypermission.binding_form)
     guard = staticmethod(querypermission.guard_binding_save)
 

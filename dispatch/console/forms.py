@@ -171,6 +171,13 @@ class DatasourceForm(forms.ModelForm):  # type: ignore[type-arg]
             return cleaned
         self.instance.kind = self.kind_value or ""
         self.instance.config = config
+        # A value entered or cleared here no longer comes from the reference definition
+        # files took it from (dispatch.ascode): an export must not name that reference.
+        refs = dict(self.instance.secret_refs or {})
+        if refs:
+            self.instance.secret_refs = {
+                k: v for k, v in refs.items() if config.get(k) == previous.get(k)
+            }
         return cleaned
 
     def _post_clean(self) -> None:  # type: ignore[misc]

@@ -3,6 +3,7 @@ cursors, workers) and the operations tables (health, alerts, metrics, maintenanc
 cursors). Django finds every model through this package; import them from here."""
 
 from dispatch.models.core import (
+    MANAGED_BY_FILES,
     MAX_JSON_BYTES,
     SECRET_MASK,
     Attempt,
@@ -28,6 +29,7 @@ from dispatch.models.ops import (
 )
 
 __all__ = [
+    "MANAGED_BY_FILES",
     "MAX_ALERT_RECIPIENTS",
     "MAX_JSON_BYTES",
     "SECRET_MASK",

@@ -34,6 +34,26 @@ _LIVE = Q(status__in=[Status.PENDING, Status.RUNNING])
 # Written only together, by a config change (see Datasource.save).
 _CONFIG_COLUMNS = frozenset({"config_ciphertext", "version", "redacted_config"})
 
+# Who defines a datasource, job, binding or schedule: the console ("") or definition files
+# applied with `dispatch_apply` (dispatch.ascode). The next apply overwrites a console edit
+# of an object the files manage, and `--prune` may delete one the files no longer name.
+MANAGED_BY_FILES = "files"
+MANAGED_BY_CHOICES = [("", "console"), (MANAGED_BY_FILES, "files")]
+
+
+def managed_by_field() -> models.CharField:  # type: ignore[type-arg]
+    """The `managed_by` column of every model definition files may hold."""
+    return models.CharField(
+        max_length=20,
+        choices=MANAGED_BY_CHOICES,
+        blank=True,
+        default="",
+        db_default="",
+        editable=False,
+        help_text="files: defined by definition files (dispatch_apply); their next apply "
+        "overwrites edits made here.",
+    )
+
 
 class DatasourceQuerySet(models.QuerySet["Datasource"]):
     def enabled(self) -> DatasourceQuerySet:
@@ -57,6 +77,11 @@ class Datasource(models.Model):
     version = models.PositiveIntegerField(default=1, editable=False)
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     updated_at = models.DateTimeField(db_default=Now(), editable=False)
+    managed_by = managed_by_field()
+    # Where definition files took each secret from ({"password": "env:NAME"}): references,
+    # never values, so an export writes them back. A console edit of a secret drops its
+    # reference (dispatch.console.forms).
+    secret_refs = models.JSONField(default=dict, blank=True, editable=False, db_default={})
 
     objects = DatasourceQuerySet.as_manager()
 
@@ -220,6 +245,7 @@ class Job(models.Model):
         help_text="Bounds one execution (at most 7 days); empty for no bound.",
     )
     created_at = models.DateTimeField(db_default=Now(), editable=False)
+    managed_by = managed_by_field()
 
     class Meta:
         ordering = ["name"]
@@ -265,15 +291,20 @@ class Job(models.Model):
         return self.name
 
     def clean(self) -> None:
+        self.clean_values()
+        if self.pk and not self._state.adding:
+            for binding in self.bindings.select_related("source", "sink"):
+                binding.validate_specs(job=self)
+
+    def clean_values(self) -> None:
+        """The job's own rules; `clean()` adds its stored bindings' spec checks (an apply
+        of definition files checks the bindings it will leave instead)."""
         jsondepth.check("source_spec", self.source_spec)
         jsondepth.check("sink_spec", self.sink_spec)
         check_json_size("source_spec", self.source_spec)
         check_json_size("sink_spec", self.sink_spec)
         if self.backoff_max_seconds < self.backoff_seconds:
             raise ValidationError({"backoff_max_seconds": "must be at least backoff_seconds"})
-        if self.pk and not self._state.adding:
-            for binding in self.bindings.select_related("source", "sink"):
-                binding.validate_specs(job=self)
 
 
 class JobBindingQuerySet(models.QuerySet["JobBinding"]):
@@ -296,6 +327,7 @@ class JobBinding(models.Model):
         help_text="Attempts of this binding that may run at once.",
     )
     created_at = models.DateTimeField(db_default=Now(), editable=False)
+    managed_by = managed_by_field()
 
     objects = JobBindingQuerySet.as_manager()
 

@@ -35,3 +35,12 @@ MAX_CURSOR_COLUMNS = 8
 # A CSV sink's state file (its size and every binding's cursor), as its reader takes it:
 # a commit that would write a larger one is refused before it appends.
 MAX_CSV_STATE_BYTES = 1 << 20
+
+# Definition files (dispatch.ascode): one file or request body; the objects one apply may
+# define; the YAML nodes (scalars, lists, mappings) of one file. A file past them is
+# refused before anything is built from it.
+MAX_DEFINITION_BYTES = 1024 * 1024
+MAX_DEFINITION_OBJECTS = 5_000
+MAX_DEFINITION_NODES = 200_000
+# A secret read from a `file:` reference.
+MAX_SECRET_FILE_BYTES = 64 * 1024
