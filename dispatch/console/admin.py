@@ -436,6 +436,35 @@ class ConsoleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             context["object_buttons"] = self.object_buttons(request, obj)
         return super().render_change_form(request, context, add, change, form_url, obj)
 
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        """On an add page, without the read-only fields the database fills (`db_default`,
+        e.g. `created_at`): the row does not exist yet, so they have no value (Django 5.2
+        would print its `DatabaseDefault` placeholder there)."""
+        fieldsets = super().get_fieldsets(request, obj)
+        if obj is not None:
+            return fieldsets
+        unset = set(self.get_readonly_fields(request, obj)) & database_filled(self.model)
+        if not unset:
+            return fieldsets
+        kept = []
+        for name, options in fieldsets:
+            fields = []
+            for entry in options["fields"]:
+                if isinstance(entry, list | tuple):  # fields on one line
+                    line = [f for f in entry if f not in unset]
+                    if line:
+                        fields.append(line)
+                elif entry not in unset:
+                    fields.append(entry)
+            if fields:
+                kept.append((name, {**options, "fields": fields}))
+        return kept
+
+
+def database_filled(model: Any) -> set[str]:
+    """The names of `model`'s fields whose value the database writes on insert."""
+    return {f.name for f in model._meta.concrete_fields if f.has_db_default()}
+
 
 class HistoryAdmin(ConsoleAdmin):
     """Rows the system writes: viewable, never added, edited or deleted by hand."""

@@ -188,3 +188,13 @@ def test_browser__cancel_a_running_run(page: Any, processes: Processes) -> None:
     run.refresh_from_db()
     assert run.status == Status.CANCELLED
     assert Attempt.objects.get(run=run).reason == "CANCELLED_BY_OPERATOR"
+
+
+def test_browser__add_forms_show_no_database_default_placeholder(page: Any) -> None:
+    # "Created at" is filled by the database (db_default): before the row exists there is
+    # nothing to show, and Django 5.2 would print its DatabaseDefault placeholder.
+    for model in ("job", "jobbinding"):
+        page.goto(f"{page.base}/admin/dispatch/{model}/add/")
+        page.wait_for_selector("#content-main form")
+        shown = "DatabaseDefault" in page.content()
+        assert not shown, f"the {model} add page shows a DatabaseDefault placeholder"
