@@ -448,7 +448,7 @@ class ConsoleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             return fieldsets
         kept = []
         for name, options in fieldsets:
-            fields = []
+            fields: list[Any] = []
             for entry in options["fields"]:
                 if isinstance(entry, list | tuple):  # fields on one line
                     line = [f for f in entry if f not in unset]
