@@ -50,5 +50,7 @@ chaos: $(TEST_STAMP)
 	DATABASE_URL=postgres://postgres@127.0.0.1:$(CHAOS_PORT)/dispatch_chaos \
 	$(PY) manage.py chaos --duration 300 --workers 4 --seed $(CHAOS_SEED) --port $(CHAOS_PORT)
 
+## Everything `make run` and `make test` created, the embedded PostgreSQL servers included.
 clean:
+	-test ! -x $(PY) || $(PY) -m project.dev clean
 	rm -rf $(VENV) .data .pytest_cache .mypy_cache .ruff_cache .hypothesis .grimp_cache .import_linter_cache
