@@ -133,7 +133,6 @@ def test_wheel__holds_every_file_the_apps_need_and_nothing_of_the_repository(whe
         assert not [n for n in names if n.endswith(f"/commands/{command}.py")], command
 
 
-
 def test_classifiers__name_django_5_2_and_6_and_the_django_the_suite_runs_on() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     prefix = "Framework :: Django :: "
@@ -145,6 +144,7 @@ def test_classifiers__name_django_5_2_and_6_and_the_django_the_suite_runs_on() -
     ]
     refused = [v for v in listed if not requirement.specifier.contains(f"{v}.0")]
     assert not refused, f"{requirement} refuses the listed Django {refused}"
+
 
 SETTINGS_TAIL = """
 
