@@ -154,6 +154,8 @@ class ConfigField:
     # Part of where the secrets are sent (host, port, user, ...): a change to it needs the
     # secrets entered again, so a stored secret never follows an edit to another server.
     destination: bool = False
+    # The only values it takes (a select in the form; `validate_config` refuses others).
+    choices: tuple[str, ...] = ()
 
 
 class Connector:
@@ -188,6 +190,8 @@ class Connector:
                 errors[f.name] = "must be an integer"
             elif f.kind is str and not isinstance(value, str):
                 errors[f.name] = "must be a string"
+            elif f.choices and value not in f.choices:
+                errors[f.name] = f"must be one of {', '.join(f.choices)}"
         if errors:
             raise ValidationError({k: [v] for k, v in errors.items()})
         return dict(config)

@@ -75,6 +75,16 @@ def _form_field(f: ConfigField, *, stored: bool) -> forms.Field:
             strip=False,
             widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"}),
         )
+    if f.choices:
+        return forms.ChoiceField(
+            label=f.name,
+            required=f.required,
+            help_text=help_text,
+            choices=[("", "---------"), *((c, c) for c in f.choices)],
+            error_messages={
+                "invalid_choice": f"must be one of {', '.join(f.choices)} (not %(value)s)"
+            },
+        )
     if f.kind is bool:
         return forms.BooleanField(label=f.name, required=False, help_text=help_text)
     if f.kind is int:

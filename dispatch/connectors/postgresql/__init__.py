@@ -67,7 +67,8 @@ class PostgreSQLConnector(Connector):
         ConfigField(
             "sslmode",
             destination=True,
-            help="disable, allow, prefer, require, verify-ca or verify-full.",
+            choices=SSLMODES,
+            help="libpq's sslmode; empty: prefer (TLS if the server offers it, unverified).",
         ),
         ConfigField(
             "require_auth",
@@ -100,8 +101,15 @@ class PostgreSQLConnector(Connector):
 
     @classmethod
     def validate_config(cls, config: dict[str, Any]) -> dict[str, Any]:
-        config = super().validate_config(config)
-        errors: dict[str, list[str]] = {}
+        # The declared fields' checks (types, sslmode's choices) and the ones below are
+        # reported together.
+        try:
+            config = super().validate_config(config)
+            errors: dict[str, list[str]] = {}
+        except ValidationError as exc:
+            if not hasattr(exc, "error_dict") or "config" in exc.error_dict:
+                raise
+            errors = dict(exc.message_dict)
         if config.get("url"):
             url = str(config["url"])
             if not url.startswith(("postgres://", "postgresql://")):
@@ -118,8 +126,6 @@ class PostgreSQLConnector(Connector):
         port = config.get("port")
         if isinstance(port, int) and not 0 < port < 65536:
             errors["port"] = ["must be between 1 and 65535"]
-        if config.get("sslmode") and config["sslmode"] not in SSLMODES:
-            errors["sslmode"] = [f"must be one of {', '.join(SSLMODES)}"]
         if config.get("url"):
             mixed = [k for k in URL_EXCLUSIVE if config.get(k) not in (None, "")]
             if mixed:
