@@ -158,6 +158,14 @@ class ConfigField:
     choices: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class SpecField:
+    """A top-level field of a source or sink spec, with a line saying what it does."""
+
+    name: str
+    help: str = ""
+
+
 class Connector:
     """A connector kind: subclass, set the class attributes, override what applies."""
 
@@ -165,10 +173,24 @@ class Connector:
     label: ClassVar[str] = ""
     roles: ClassVar[frozenset[str]] = frozenset()
     config_fields: ClassVar[tuple[ConfigField, ...]] = ()
+    # The fields a source (sink) spec accepts: the names its validator allows
+    # (`check_unknown(spec, cls.spec_field_names("source"))`), and the job form's help.
+    # None: not declared, the validator alone knows; (): none (an empty object).
+    source_fields: ClassVar[tuple[SpecField, ...] | None] = None
+    sink_fields: ClassVar[tuple[SpecField, ...] | None] = None
 
     @classmethod
     def secret_fields(cls) -> frozenset[str]:  # type: ignore[override]
         return frozenset(f.name for f in cls.config_fields if f.secret)
+
+    @classmethod
+    def spec_fields(cls, role: str) -> tuple[SpecField, ...] | None:
+        """The declared fields of a `role` ("source" or "sink") spec."""
+        return cls.source_fields if role == "source" else cls.sink_fields
+
+    @classmethod
+    def spec_field_names(cls, role: str) -> set[str]:
+        return {f.name for f in cls.spec_fields(role) or ()}
 
     # --- validation (messages name the field) ---------------------------------------
     @classmethod

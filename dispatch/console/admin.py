@@ -60,7 +60,7 @@ from dispatch.console.badges import (
     reason_badge,
     status_badge,
 )
-from dispatch.console.forms import DatasourceForm, config_field_names
+from dispatch.console.forms import DatasourceForm, JobForm, config_field_names
 from dispatch.console.managed import ManagedByFilesAdmin
 from dispatch.console.overview import overview_view
 from dispatch.console.paging import CappedPaginator
@@ -688,6 +688,7 @@ class BindingAlertsInline(admin.StackedInline):  # type: ignore[type-arg]
 
 @admin.register(Job)
 class JobAdmin(ManagedByFilesAdmin, querypermission.QueryPermissionAdmin, ConsoleAdmin):
+    form = JobForm
     # Source queries need a permission of their own (dispatch.security.sqlperm).
     form_wrapper = staticmethod(querypermission.job_form)
     guard = staticmethod(querypermission.guard_job_save)

@@ -21,6 +21,7 @@ from dispatch.connectors.base import (
     Column,
     ConfigField,
     Connector,
+    SpecField,
     TransferContext,
     check_unknown,
     require_object,
@@ -28,6 +29,8 @@ from dispatch.connectors.base import (
 from dispatch.connectors.postgresql.cancel import _Canceller
 from dispatch.connectors.postgresql.connect import (
     AUTH_METHODS,
+    DEFAULT_LOCK_TIMEOUT_SECONDS,
+    DEFAULT_STATEMENT_TIMEOUT_SECONDS,
     SSLMODES,
     URL_EXCLUSIVE,
     _errors,
@@ -83,21 +86,41 @@ class PostgreSQLConnector(Connector):
             "never together with them.",
         ),
     )
-    SOURCE_FIELDS = {
-        "table",
-        "query",
-        "incremental",
-        "statement_timeout_seconds",
-        "lock_timeout_seconds",
-    }
-    SINK_FIELDS = {
-        "table",
-        "mode",
-        "key",
-        "create",
-        "statement_timeout_seconds",
-        "lock_timeout_seconds",
-    }
+    source_fields = (
+        SpecField("table", "name or schema.name to read (or query)"),
+        SpecField(
+            "query",
+            "one SQL query to read instead of a table (needs the write_source_query permission)",
+        ),
+        SpecField(
+            "incremental",
+            "read only the rows past the committed cursor: an object with "
+            + ", ".join(sorted(incremental.SPEC_FIELDS))
+            + " (cursor required: a list of columns)",
+        ),
+        SpecField(
+            "statement_timeout_seconds",
+            f"bound on each statement (default {DEFAULT_STATEMENT_TIMEOUT_SECONDS})",
+        ),
+        SpecField(
+            "lock_timeout_seconds",
+            f"bound on each lock wait (default {DEFAULT_LOCK_TIMEOUT_SECONDS})",
+        ),
+    )
+    sink_fields = (
+        SpecField("table", "name or schema.name to write (required)"),
+        SpecField("mode", f"{', '.join(SINK_MODES)} (default {SINK_MODES[0]})"),
+        SpecField("key", "the key columns of upsert, a list"),
+        SpecField("create", "true: create a missing table with the source's columns"),
+        SpecField(
+            "statement_timeout_seconds",
+            f"bound on each statement (default {DEFAULT_STATEMENT_TIMEOUT_SECONDS})",
+        ),
+        SpecField(
+            "lock_timeout_seconds",
+            f"bound on each lock wait (default {DEFAULT_LOCK_TIMEOUT_SECONDS})",
+        ),
+    )
 
     @classmethod
     def validate_config(cls, config: dict[str, Any]) -> dict[str, Any]:
@@ -153,7 +176,7 @@ class PostgreSQLConnector(Connector):
     @classmethod
     def validate_source_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
         spec = require_object(spec, "source_spec")
-        check_unknown(spec, cls.SOURCE_FIELDS)
+        check_unknown(spec, cls.spec_field_names("source"))
         has_table, has_query = bool(spec.get("table")), bool(spec.get("query"))
         if has_table == has_query:
             raise ValidationError("give exactly one of table or query")
@@ -172,7 +195,7 @@ class PostgreSQLConnector(Connector):
     @classmethod
     def validate_sink_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
         spec = require_object(spec, "sink_spec")
-        check_unknown(spec, cls.SINK_FIELDS)
+        check_unknown(spec, cls.spec_field_names("sink"))
         if not spec.get("table"):
             raise ValidationError("table: this field is required")
         parse_table(spec["table"])
