@@ -147,6 +147,11 @@ def reachable_binaries() -> Path:
     target_bin = target / package.name / "pginstall" / "bin"
     if (target_bin / "postgres").exists():
         return target_bin
+    print(
+        f"copying the PostgreSQL binaries to {target} for the user {USER!r} (once per build)",
+        file=sys.stderr,
+        flush=True,
+    )
     # Copied aside and renamed into place: a concurrent start sees a whole copy or none.
     partial = target.with_name(f".{name}.{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
