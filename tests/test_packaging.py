@@ -13,12 +13,15 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
+import django
 import psycopg
 import pytest
 from django.db import connection
+from packaging.requirements import Requirement
 from psycopg import sql
 
 from tests.support.processes import test_database_url
@@ -128,6 +131,19 @@ def test_wheel__holds_every_file_the_apps_need_and_nothing_of_the_repository(whe
     # Demo and test commands belong to the repository's site only.
     for command in ("seed_demo", "seed_demo_schedules", "chaos"):
         assert not [n for n in names if n.endswith(f"/commands/{command}.py")], command
+
+
+def test_classifiers__name_django_5_2_and_6_and_the_django_the_suite_runs_on() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    prefix = "Framework :: Django :: "
+    listed = [c.removeprefix(prefix) for c in project["classifiers"] if c.startswith(prefix)]
+    assert "5.2" in listed and any(v.startswith("6.") for v in listed), listed
+    assert "{}.{}".format(*django.VERSION[:2]) in listed, listed
+    [requirement] = [
+        Requirement(r) for r in project["dependencies"] if r.lower().startswith("django")
+    ]
+    refused = [v for v in listed if not requirement.specifier.contains(f"{v}.0")]
+    assert not refused, f"{requirement} refuses the listed Django {refused}"
 
 
 SETTINGS_TAIL = """

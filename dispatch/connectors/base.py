@@ -154,6 +154,16 @@ class ConfigField:
     # Part of where the secrets are sent (host, port, user, ...): a change to it needs the
     # secrets entered again, so a stored secret never follows an edit to another server.
     destination: bool = False
+    # The only values it takes (a select in the form; `validate_config` refuses others).
+    choices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SpecField:
+    """A top-level field of a source or sink spec, with a line saying what it does."""
+
+    name: str
+    help: str = ""
 
 
 class Connector:
@@ -163,10 +173,24 @@ class Connector:
     label: ClassVar[str] = ""
     roles: ClassVar[frozenset[str]] = frozenset()
     config_fields: ClassVar[tuple[ConfigField, ...]] = ()
+    # The fields a source (sink) spec accepts: the names its validator allows
+    # (`check_unknown(spec, cls.spec_field_names("source"))`), and the job form's help.
+    # None: not declared, the validator alone knows; (): none (an empty object).
+    source_fields: ClassVar[tuple[SpecField, ...] | None] = None
+    sink_fields: ClassVar[tuple[SpecField, ...] | None] = None
 
     @classmethod
     def secret_fields(cls) -> frozenset[str]:  # type: ignore[override]
         return frozenset(f.name for f in cls.config_fields if f.secret)
+
+    @classmethod
+    def spec_fields(cls, role: str) -> tuple[SpecField, ...] | None:
+        """The declared fields of a `role` ("source" or "sink") spec."""
+        return cls.source_fields if role == "source" else cls.sink_fields
+
+    @classmethod
+    def spec_field_names(cls, role: str) -> set[str]:
+        return {f.name for f in cls.spec_fields(role) or ()}
 
     # --- validation (messages name the field) ---------------------------------------
     @classmethod
@@ -188,6 +212,8 @@ class Connector:
                 errors[f.name] = "must be an integer"
             elif f.kind is str and not isinstance(value, str):
                 errors[f.name] = "must be a string"
+            elif f.choices and value not in f.choices:
+                errors[f.name] = f"must be one of {', '.join(f.choices)}"
         if errors:
             raise ValidationError({k: [v] for k, v in errors.items()})
         return dict(config)

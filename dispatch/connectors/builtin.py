@@ -13,6 +13,7 @@ from dispatch.connectors.base import (
     Batch,
     Column,
     Connector,
+    SpecField,
     TransferContext,
     TransientError,
     WriteResult,
@@ -36,12 +37,18 @@ class GenerateConnector(Connector):
         Column("amount", "numeric(12,2)"),
         Column("created_at", "timestamp with time zone"),
     ]
-    SPEC_FIELDS = {"rows", "batch", "delay_ms", "fail_after", "seed"}
+    source_fields = (
+        SpecField("rows", "how many rows (default 0)"),
+        SpecField("batch", "rows per batch (default 1000)"),
+        SpecField("delay_ms", "a pause after each batch, in milliseconds"),
+        SpecField("fail_after", "fail (transiently) once this many rows are read"),
+        SpecField("seed", "the values' seed (default 0): the same seed, the same rows"),
+    )
 
     @classmethod
     def validate_source_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
         spec = require_object(spec, "source_spec")
-        check_unknown(spec, cls.SPEC_FIELDS)
+        check_unknown(spec, cls.spec_field_names("source"))
         int_field(spec, "rows", default=0)
         int_field(spec, "batch", default=1000, minimum=1)
         int_field(spec, "delay_ms", default=0)
@@ -109,11 +116,12 @@ class NullConnector(Connector):
     kind = "null"
     label = "Discard (count only)"
     roles = frozenset({"sink"})
+    sink_fields = ()
 
     @classmethod
     def validate_sink_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
         spec = require_object(spec, "sink_spec")
-        check_unknown(spec, set())
+        check_unknown(spec, cls.spec_field_names("sink"))
         return spec
 
     @classmethod

@@ -41,6 +41,7 @@ from dispatch.connectors.base import (
     ConfigField,
     Connector,
     PermanentError,
+    SpecField,
     TransferContext,
     TransientError,
     WriteResult,
@@ -202,8 +203,19 @@ class CSVConnector(Connector):
             "base_dir", required=True, help="Absolute directory; every path stays inside it."
         ),
     )
-    SOURCE_FIELDS = {"path", "delimiter", "header", "null"}
-    SINK_FIELDS = {"path", "mode", "delimiter", "header", "null"}
+    source_fields = (
+        SpecField("path", "the file, relative to base_dir (required)"),
+        SpecField("delimiter", "one character (default ,)"),
+        SpecField("header", "true (default): the first line names the columns"),
+        SpecField("null", "the text that stands for NULL (default empty); null for none"),
+    )
+    sink_fields = (
+        SpecField("path", "the file, relative to base_dir (required)"),
+        SpecField("mode", f"{', '.join(SINK_MODES)} (default {SINK_MODES[0]})"),
+        SpecField("delimiter", "one character (default ,)"),
+        SpecField("header", "true (default): write a first line with the column names"),
+        SpecField("null", "the text written for NULL (default empty)"),
+    )
 
     @classmethod
     def validate_config(cls, config: dict[str, Any]) -> dict[str, Any]:
@@ -251,14 +263,14 @@ class CSVConnector(Connector):
     @classmethod
     def validate_source_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
         spec = require_object(spec, "source_spec")
-        check_unknown(spec, cls.SOURCE_FIELDS)
+        check_unknown(spec, cls.spec_field_names("source"))
         cls._common(spec, "source")
         return spec
 
     @classmethod
     def validate_sink_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
         spec = require_object(spec, "sink_spec")
-        check_unknown(spec, cls.SINK_FIELDS)
+        check_unknown(spec, cls.spec_field_names("sink"))
         cls._common(spec, "sink")
         if spec.get("mode", "replace") not in SINK_MODES:
             raise ValidationError(f"mode: must be one of {', '.join(SINK_MODES)}")

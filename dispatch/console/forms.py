@@ -5,19 +5,25 @@ a kind that declares no fields gets a JSON editor instead. Secret fields are pas
 inputs that never render a value; left blank they keep the stored value. The form never
 puts a decrypted secret into a page: non-secret initial values come from the row's
 `redacted_config`, and the stored config is decrypted only on save, server-side.
+
+The job form: its source and sink specs carry, as help, the fields each kind accepts,
+from the connectors' declarations (the names their validators accept).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 from django import forms
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
 
 from dispatch.connectors import registry
 from dispatch.connectors.base import ConfigField, Connector
-from dispatch.models import SECRET_MASK, Datasource
+from dispatch.models import SECRET_MASK, Datasource, Job
 from dispatch.security import crypto, jsondepth
 
 PREFIX = "config__"
@@ -74,6 +80,16 @@ def _form_field(f: ConfigField, *, stored: bool) -> forms.Field:
             help_text=help_text,
             strip=False,
             widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"}),
+        )
+    if f.choices:
+        return forms.ChoiceField(
+            label=f.name,
+            required=f.required,
+            help_text=help_text,
+            choices=[("", "---------"), *((c, c) for c in f.choices)],
+            error_messages={
+                "invalid_choice": f"must be one of {', '.join(f.choices)} (not %(value)s)"
+            },
         )
     if f.kind is bool:
         return forms.BooleanField(label=f.name, required=False, help_text=help_text)
@@ -308,3 +324,75 @@ class DatasourceForm(forms.ModelForm):  # type: ignore[type-arg]
                 for m in e.messages
             ]
             self.add_error(target, messages)
+
+
+# --- the job form ---------------------------------------------------------------------------
+def spec_help(role: str, used: Collection[str] = ()) -> SafeString:
+    """The fields each kind accepts in a `role` ("source" or "sink") spec, as each
+    connector declares them (`Connector.spec_fields`); the kinds in `used` are marked."""
+
+    def fields_of(connector: type[Connector]) -> SafeString:
+        declared = connector.spec_fields(role)
+        if declared is None:
+            return format_html("<em>{}</em>", "not declared by the connector")
+        if not declared:
+            return format_html("<em>{}</em>", "none (leave the spec {})")
+        return format_html_join(
+            "; ",
+            "<code>{}</code>{}",
+            ((f.name, f" — {f.help}" if f.help else "") for f in declared),
+        )
+
+    kinds = [(k, c) for k, c in sorted(registry.kinds().items()) if role in c.roles]
+    return format_html(
+        "The fields each kind accepts; the kind is the binding's {} datasource's."
+        '<ul class="dsp-spec-help" data-role="{}">{}</ul>',
+        role,
+        role,
+        format_html_join(
+            "",
+            '<li data-kind="{}"><strong>{}</strong>{}{}: {}</li>',
+            (
+                (
+                    kind,
+                    kind,
+                    f" ({connector.label})" if connector.label else "",
+                    " — this job's bindings use it" if kind in used else "",
+                    fields_of(connector),
+                )
+                for kind, connector in kinds
+            ),
+        ),
+    )
+
+
+class JobForm(forms.ModelForm):  # type: ignore[type-arg]
+    """A job: its specs say which fields each connector kind accepts."""
+
+    class Meta:
+        model = Job
+        fields = [
+            "name",
+            "description",
+            "enabled",
+            "source_spec",
+            "sink_spec",
+            "max_attempts",
+            "backoff_seconds",
+            "backoff_max_seconds",
+            "lease_seconds",
+            "timeout_seconds",
+        ]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        used: dict[str, set[str]] = {"source": set(), "sink": set()}
+        if not self.instance._state.adding:
+            pairs = self.instance.bindings.values_list("source__kind", "sink__kind").distinct()
+            for source_kind, sink_kind in pairs:
+                used["source"].add(source_kind)
+                used["sink"].add(sink_kind)
+        for role, kinds in used.items():
+            field = self.fields.get(f"{role}_spec")
+            if field is not None:
+                field.help_text = spec_help(role, kinds)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
 from django.test import Client
 from django.urls import reverse
 
+from dispatch.connectors.postgresql.connect import SSLMODES
 from dispatch.models import Datasource
 from tests.console.test_admin import PASSWORD, TOKEN, vault, vault_kind  # noqa: F401 - fixture
 
@@ -116,3 +118,26 @@ def test_json_fallback__for_kinds_without_fields(admin_client: Client) -> None:
 
 def _json(value: Any) -> str:
     return json.dumps(value)
+
+
+def test_postgresql_sslmode__a_choice_of_libpqs_values(admin_client: Client) -> None:
+    page = admin_client.get(reverse(ADD) + "?kind=postgresql").content.decode()
+    select = re.search(r'<select name="config__sslmode".*?</select>', page, re.S)
+    assert select, "sslmode is not a select"
+    assert re.findall(r'<option value="([^"]*)"', select.group(0)) == ["", *SSLMODES]
+    data = {
+        "name": "warehouse",
+        "kind": "postgresql",
+        "config_kind": "postgresql",
+        "enabled": "on",
+        "config__host": "db.internal",
+        "config__dbname": "dw",
+    }
+    response = admin_client.post(reverse(ADD), {**data, "config__sslmode": "sometimes"})
+    assert response.status_code == 200
+    assert response.context["adminform"].form.errors["config__sslmode"] == [
+        "must be one of disable, allow, prefer, require, verify-ca, verify-full (not sometimes)"
+    ]
+    response = admin_client.post(reverse(ADD), {**data, "config__sslmode": "verify-full"})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    assert Datasource.objects.get(name="warehouse").config["sslmode"] == "verify-full"

@@ -188,3 +188,52 @@ def test_browser__cancel_a_running_run(page: Any, processes: Processes) -> None:
     run.refresh_from_db()
     assert run.status == Status.CANCELLED
     assert Attempt.objects.get(run=run).reason == "CANCELLED_BY_OPERATOR"
+
+
+def test_browser__add_forms_show_no_database_default_placeholder(page: Any) -> None:
+    # "Created at" is filled by the database (db_default): before the row exists there is
+    # nothing to show, and Django 5.2 would print its DatabaseDefault placeholder.
+    for model in ("job", "jobbinding"):
+        page.goto(f"{page.base}/admin/dispatch/{model}/add/")
+        page.wait_for_selector("#content-main form")
+        shown = "DatabaseDefault" in page.content()
+        assert not shown, f"the {model} add page shows a DatabaseDefault placeholder"
+
+
+def test_browser__the_run_list_fits_1280_px_beside_the_menu_and_the_filters(page: Any) -> None:
+    # Long names, with and without hyphens, and every kind of row: blocked at capacity,
+    # running with progress and a cancel requested, retry scheduled, failed, succeeded.
+    hyphens = binding("orders-to-archive-with-a-rather-long-binding-name", {"rows": 10})
+    plain = binding("warehouse_orders_nightly_full_reload_into_the_archive", {"rows": 10})
+    for b in (hyphens, plain):
+        done, retried, failed, running, blocked = (services.trigger(b) for _ in range(5))
+        for run, outcome in ((done, "SUCCEEDED"), (retried, "ERROR"), (failed, "PERMANENT")):
+            [c] = claims.claim("browser-list", run_id=run.id, limit=1, generic=False)
+            claims.settle(
+                c.attempt_id,
+                c.lease_token,
+                outcome,
+                reason=None if outcome == "SUCCEEDED" else Reason.PERMANENT_ERROR,
+                error=None if outcome == "SUCCEEDED" else "sink table orders_archive is missing",
+                rows_read=1_234_567,
+                rows_written=1_234_567,
+            )
+        claims.claim("browser-list", run_id=running.id, limit=1, generic=False)
+        Attempt.objects.filter(run=running, status=Status.RUNNING).update(
+            rows_read=987_654, rows_written=900_000
+        )
+        services.cancel_run(running)
+        assert Attempt.objects.get(run=blocked).blocked_reason
+    page.goto(f"{page.base}/admin/dispatch/run/")
+    page.wait_for_selector("#result_list")
+    assert page.viewport_size["width"] == 1280
+    assert page.is_visible("#nav-sidebar") and page.is_visible("#changelist-filter")
+    widths = page.evaluate(
+        """() => {
+            const results = document.querySelector('#changelist .results');
+            return {document: document.documentElement.scrollWidth,
+                    table: results.scrollWidth, room: results.clientWidth};
+        }"""
+    )
+    assert widths["document"] <= 1280, widths
+    assert widths["table"] <= widths["room"], f"the run list overflows its room: {widths}"

@@ -6,7 +6,6 @@ accepted there; this test runs against an embedded server that requires password
 
 from __future__ import annotations
 
-import shutil
 import socket
 from collections.abc import Iterator
 
@@ -34,16 +33,14 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[EmbeddedPostgres]:
-    data_dir = ROOT / ".data" / "test-password-pg"
-    shutil.rmtree(data_dir, ignore_errors=True)
-    pg = EmbeddedPostgres(data_dir, port=free_port(), password=RIGHT)
+    pg = EmbeddedPostgres(ROOT / ".data" / "test-password-pg", port=free_port(), password=RIGHT)
+    pg.remove()  # a fresh server: initdb sets the password
     pg.start()
     pg.create_database("sink")
     try:
         yield pg
     finally:
-        pg.stop("immediate")
-        shutil.rmtree(data_dir, ignore_errors=True)
+        pg.remove()
 
 
 def run_once(server: EmbeddedPostgres, password: str) -> tuple[str | None, list]:

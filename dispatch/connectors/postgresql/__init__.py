@@ -21,6 +21,7 @@ from dispatch.connectors.base import (
     Column,
     ConfigField,
     Connector,
+    SpecField,
     TransferContext,
     check_unknown,
     require_object,
@@ -28,6 +29,8 @@ from dispatch.connectors.base import (
 from dispatch.connectors.postgresql.cancel import _Canceller
 from dispatch.connectors.postgresql.connect import (
     AUTH_METHODS,
+    DEFAULT_LOCK_TIMEOUT_SECONDS,
+    DEFAULT_STATEMENT_TIMEOUT_SECONDS,
     SSLMODES,
     URL_EXCLUSIVE,
     _errors,
@@ -67,7 +70,8 @@ class PostgreSQLConnector(Connector):
         ConfigField(
             "sslmode",
             destination=True,
-            help="disable, allow, prefer, require, verify-ca or verify-full.",
+            choices=SSLMODES,
+            help="libpq's sslmode; empty: prefer (TLS if the server offers it, unverified).",
         ),
         ConfigField(
             "require_auth",
@@ -82,26 +86,53 @@ class PostgreSQLConnector(Connector):
             "never together with them.",
         ),
     )
-    SOURCE_FIELDS = {
-        "table",
-        "query",
-        "incremental",
-        "statement_timeout_seconds",
-        "lock_timeout_seconds",
-    }
-    SINK_FIELDS = {
-        "table",
-        "mode",
-        "key",
-        "create",
-        "statement_timeout_seconds",
-        "lock_timeout_seconds",
-    }
+    source_fields = (
+        SpecField("table", "name or schema.name to read (or query)"),
+        SpecField(
+            "query",
+            "one SQL query to read instead of a table (needs the write_source_query permission)",
+        ),
+        SpecField(
+            "incremental",
+            "read only the rows past the committed cursor: an object with "
+            + ", ".join(sorted(incremental.SPEC_FIELDS))
+            + " (cursor required: a list of columns)",
+        ),
+        SpecField(
+            "statement_timeout_seconds",
+            f"bound on each statement (default {DEFAULT_STATEMENT_TIMEOUT_SECONDS})",
+        ),
+        SpecField(
+            "lock_timeout_seconds",
+            f"bound on each lock wait (default {DEFAULT_LOCK_TIMEOUT_SECONDS})",
+        ),
+    )
+    sink_fields = (
+        SpecField("table", "name or schema.name to write (required)"),
+        SpecField("mode", f"{', '.join(SINK_MODES)} (default {SINK_MODES[0]})"),
+        SpecField("key", "the key columns of upsert, a list"),
+        SpecField("create", "true: create a missing table with the source's columns"),
+        SpecField(
+            "statement_timeout_seconds",
+            f"bound on each statement (default {DEFAULT_STATEMENT_TIMEOUT_SECONDS})",
+        ),
+        SpecField(
+            "lock_timeout_seconds",
+            f"bound on each lock wait (default {DEFAULT_LOCK_TIMEOUT_SECONDS})",
+        ),
+    )
 
     @classmethod
     def validate_config(cls, config: dict[str, Any]) -> dict[str, Any]:
-        config = super().validate_config(config)
-        errors: dict[str, list[str]] = {}
+        # The declared fields' checks (types, sslmode's choices) and the ones below are
+        # reported together.
+        try:
+            config = super().validate_config(config)
+            errors: dict[str, list[str]] = {}
+        except ValidationError as exc:
+            if not hasattr(exc, "error_dict") or "config" in exc.error_dict:
+                raise
+            errors = dict(exc.message_dict)
         if config.get("url"):
             url = str(config["url"])
             if not url.startswith(("postgres://", "postgresql://")):
@@ -118,8 +149,6 @@ class PostgreSQLConnector(Connector):
         port = config.get("port")
         if isinstance(port, int) and not 0 < port < 65536:
             errors["port"] = ["must be between 1 and 65535"]
-        if config.get("sslmode") and config["sslmode"] not in SSLMODES:
-            errors["sslmode"] = [f"must be one of {', '.join(SSLMODES)}"]
         if config.get("url"):
             mixed = [k for k in URL_EXCLUSIVE if config.get(k) not in (None, "")]
             if mixed:
@@ -147,7 +176,7 @@ class PostgreSQLConnector(Connector):
     @classmethod
     def validate_source_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
         spec = require_object(spec, "source_spec")
-        check_unknown(spec, cls.SOURCE_FIELDS)
+        check_unknown(spec, cls.spec_field_names("source"))
         has_table, has_query = bool(spec.get("table")), bool(spec.get("query"))
         if has_table == has_query:
             raise ValidationError("give exactly one of table or query")
@@ -166,7 +195,7 @@ class PostgreSQLConnector(Connector):
     @classmethod
     def validate_sink_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
         spec = require_object(spec, "sink_spec")
-        check_unknown(spec, cls.SINK_FIELDS)
+        check_unknown(spec, cls.spec_field_names("sink"))
         if not spec.get("table"):
             raise ValidationError("table: this field is required")
         parse_table(spec["table"])
