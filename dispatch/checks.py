@@ -36,6 +36,7 @@ CHECK_IDS: dict[str, str] = {
     "dispatch.E018": "DISPATCH_APPLY_ENV_PREFIX or DISPATCH_APPLY_SECRET_DIRS cannot be used",
     "dispatch.W001": "DISPATCH_HEALTH_SCAN_LAG is shorter than DISPATCH_COORDINATION_TIMEOUT",
     "dispatch.W002": "stored alert addresses of bindings are outside DISPATCH_ALERT_EMAIL_DOMAINS",
+    "dispatch.W003": "another app's command of the same name wins over runworker, trigger, ...",
 }
 
 # Django 5.2 itself needs PostgreSQL 14; the SQL functions need nothing newer.
@@ -374,6 +375,32 @@ def check_scan_lag(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
             )
         ]
     return []
+
+
+@register()
+def check_command_names(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
+    """dispatch.W003: a command of dispatch (or of an app built on it) is taken by another
+    app listed before it in INSTALLED_APPS (Django runs the first app's; Channels has a
+    `runworker`). `manage.py dispatch SUBCOMMAND` always reaches dispatch's."""
+    from django.core.management import get_commands
+
+    from dispatch import commands
+
+    winners = get_commands()
+    warnings = []
+    for name, (app, command) in commands.subcommands().items():
+        winner = winners.get(command)
+        if winner is None or winner == app:
+            continue
+        warnings.append(
+            Warning(
+                f"`manage.py {command}` runs the command of the app {winner}, not the "
+                f"one of {app}: {winner} is listed before {app} in INSTALLED_APPS.",
+                hint=f"Run `manage.py dispatch {name}` instead: it always runs the one of {app}.",
+                id="dispatch.W003",
+            )
+        )
+    return warnings
 
 
 @register(Tags.database)

@@ -13,15 +13,16 @@ from typing import Any
 from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import QuerySet
+from django.db.models import QuerySet, Subquery
+from django.db.models.functions import Now
 from django.http import HttpRequest
 from django.urls import NoReverseMatch, reverse
 from django.utils import timezone as dj_timezone
 from django.utils.html import format_html, format_html_join
 
 from dispatch.console.managed import ManagedByFilesAdmin
-from scheduling import cron
-from scheduling.models import Schedule
+from scheduling import cron, health
+from scheduling.models import ReconcilerBeat, Schedule
 
 TRIGGER_PERMISSION = "dispatch.trigger_binding"
 UPCOMING = 5
@@ -181,6 +182,16 @@ class ScheduleAdmin(ManagedByFilesAdmin):
             ("State", {"fields": self.state_fields}),
         ]
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Schedule]:
+        # The last reconciler beat and database now() in the page's own query (one
+        # scalar subquery on a one-row table), for the note beside overdue schedules.
+        beat = ReconcilerBeat.objects.filter(pk=1).values("beat_at")
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(reconciler_beat_at=Subquery(beat[:1]), db_now=Now())
+        )
+
     # --- permissions ------------------------------------------------------------------------
     def has_trigger_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm(TRIGGER_PERMISSION)
@@ -224,11 +235,24 @@ class ScheduleAdmin(ManagedByFilesAdmin):
             times = slots.upcoming(start, UPCOMING)
         except cron.CronError as exc:
             return f"cannot be evaluated: {exc}"
-        return format_html_join(
+        upcoming = format_html_join(
             "",
             '<div style="white-space: nowrap">{}</div>',
             ((t.astimezone(slots.tz).strftime("%Y-%m-%d %H:%M %Z"),) for t in times),
         )
+        note = self.overdue_note(obj)
+        if note is None:
+            return upcoming
+        return format_html('<div class="errornote">{}</div>{}', note, upcoming)
+
+    @staticmethod
+    def overdue_note(obj: Schedule) -> str | None:
+        """'overdue since …: no reconciler has run since …' for an overdue schedule while
+        no reconciler runs; from the values `get_queryset` reads with the row."""
+        now = getattr(obj, "db_now", None)
+        if now is None:
+            return None
+        return health.overdue_note(obj.next_fire_at, getattr(obj, "reconciler_beat_at", None), now)
 
     @admin.display(description="last run")
     def last_run_link(self, obj: Schedule) -> str:

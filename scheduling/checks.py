@@ -1,12 +1,19 @@
-"""System checks of the scheduling app (ids scheduling.E001, ...)."""
+"""System checks of the scheduling app, and the table of their ids (`CHECK_IDS`;
+docs/settings.md lists the same, a test keeps the three in step)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from django.core.checks import Error, register
+from django.core.checks import Error, Warning, register
 
-from scheduling import conf
+from scheduling import conf, health
+
+CHECK_IDS: dict[str, str] = {
+    "scheduling.E001": "DISPATCH_SCHEDULE_CHANNEL is not a usable channel name",
+    "scheduling.E002": "DISPATCH_MISFIRE_GRACE_SECONDS is not a positive number",
+    "scheduling.W001": "schedules are overdue and no reconciler has run for a while",
+}
 
 
 @register()
@@ -34,3 +41,15 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
             )
         )
     return errors
+
+
+@register()
+def check_reconciler_running(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
+    """scheduling.W001: enabled schedules overdue by more than
+    `conf.STALLED_AFTER_SECONDS` and no reconciler pass for as long. Reads the database
+    when it can; unreachable or not migrated, it says nothing (the commands that need the
+    database report that)."""
+    found = health.stalled_or_unknown()
+    if found is None:
+        return []
+    return [Warning(found.message(), hint=health.HINT, id="scheduling.W001")]

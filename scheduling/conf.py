@@ -10,6 +10,11 @@ from dispatch import conf as dispatch_conf
 # notification or a schedule written by SQL is picked up within this bound.
 MAX_SLEEP_SECONDS = 30.0
 
+# Ten of the loop's longest sleeps: a schedule overdue by more than this while no
+# reconciler has started a pass for as long means nothing runs the schedules (system
+# check scheduling.W001, the console's overview and the schedules list say so).
+STALLED_AFTER_SECONDS = 10 * MAX_SLEEP_SECONDS
+
 
 def schedule_channel() -> str:
     """The LISTEN/NOTIFY channel that tells reconcilers a schedule was saved."""

@@ -237,3 +237,26 @@ class Schedule(models.Model):
                 errors[name] = exc.messages
         if errors:
             raise ValidationError(errors)
+
+
+class ReconcilerBeat(models.Model):
+    """The one row saying when a schedule reconciler last started a pass, and which one.
+
+    Upserted in database time by every pass of every reconciler (`survey` in
+    scheduling/sql/queries.sql: one statement, whatever the number of schedules); read by
+    the system check `scheduling.W001`, the console's overview and the schedules list,
+    which warn when schedules are overdue and no reconciler has run for a while.
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1, editable=False)
+    beat_at = models.DateTimeField()
+    reconciler = models.CharField(max_length=200)
+
+    class Meta:
+        verbose_name = "reconciler heartbeat"
+        constraints = [
+            models.CheckConstraint(condition=Q(id=1), name="scheduling_reconcilerbeat_one_row"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.reconciler} at {self.beat_at.isoformat()}"

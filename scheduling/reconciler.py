@@ -11,11 +11,16 @@ transaction commits; `(schedule_id, scheduled_for)` is unique, so a slot can nev
 runs even if everything above failed), and advance `next_fire_at` with an update guarded
 by the value the decision was made for. Any number of reconcilers may run at once: the row
 lock serialises the work on one schedule, SKIP LOCKED spreads schedules over reconcilers,
-and the unique slot is the last line of defence. No advisory lock is taken.
+and the unique slot is the last line of defence. No advisory lock is taken. Every pass
+starts with one autocommit statement (`survey`) that upserts the single heartbeat row
+(`scheduling_reconcilerbeat`, its lock held for that statement) and says whether anything
+needs registering or is due; an idle pass is that statement alone.
 
 The loop (`run`) sleeps until the earliest `next_fire_at` (a duration computed by the
 database, at most `conf.MAX_SLEEP_SECONDS`) and wakes early on a notification on
-`DISPATCH_SCHEDULE_CHANNEL`, sent after a schedule is saved (`scheduling.wakeup`).
+`DISPATCH_SCHEDULE_CHANNEL`, sent after a schedule is saved (`scheduling.wakeup`): read on
+a LISTEN connection of its own (`reconcile_schedules --loop`), or on the worker's
+(`runworker`, which listens on that channel too).
 """
 
 from __future__ import annotations
@@ -115,6 +120,20 @@ class Skipped:
     reason: str
 
 
+@dataclass(frozen=True)
+class Survey:
+    """What the start of a pass found (`survey` in scheduling/sql/queries.sql)."""
+
+    beat_at: datetime
+    needs_registration: bool
+    # Seconds until the earliest next_fire_at by database time; None: none registered.
+    next_due_in: float | None
+
+    @property
+    def due(self) -> bool:
+        return self.next_due_in is not None and self.next_due_in <= 0
+
+
 @dataclass
 class PassReport:
     """What one `run_once` did."""
@@ -125,6 +144,19 @@ class PassReport:
     skipped: list[Skipped] = field(default_factory=list)
     advanced: int = 0
     failed: list[uuid.UUID] = field(default_factory=list)
+    survey: Survey | None = None
+
+    @property
+    def changed(self) -> bool:
+        """True when the pass may have moved a next_fire_at (the survey's is stale)."""
+        return bool(
+            self.registered
+            or self.unregistered
+            or self.fired
+            or self.skipped
+            or self.advanced
+            or self.failed
+        )
 
     def __str__(self) -> str:
         return (
@@ -342,11 +374,24 @@ class ScheduleReconciler:
         return Fired(schedule_id, decision.slot, run.pk, decision.catch_up, existing)
 
     # --- one pass and the loop --------------------------------------------------------------
+    def survey(self) -> Survey:
+        """Record this pass in the reconciler heartbeat and find what it has to do, in one
+        autocommit statement (the heartbeat row's lock is held for that statement only)."""
+        with connection.cursor() as cursor:
+            cursor.execute(sqlfiles.query("survey"), {"reconciler": self.name[:200]})
+            beat_at, needs_registration, next_due_in = cursor.fetchone()
+        return Survey(beat_at, bool(needs_registration), next_due_in)
+
     def run_once(self) -> PassReport:
-        """Register, then fire everything due. Returns what it did."""
-        report = PassReport()
-        report.registered, report.unregistered = self.register()
-        return self.fire_due(report)
+        """Survey (and beat), register if anything needs it, then fire everything due.
+        Returns what it did. An idle pass is the survey's one statement."""
+        survey = self.survey()
+        report = PassReport(survey=survey)
+        if survey.needs_registration:
+            report.registered, report.unregistered = self.register()
+        if survey.due:
+            self.fire_due(report)
+        return report
 
     def next_due_in(self) -> float | None:
         """Seconds until the earliest next_fire_at by database time (None: nothing
@@ -356,21 +401,32 @@ class ScheduleReconciler:
             (seconds,) = cursor.fetchone()
         return seconds
 
-    def sleep_seconds(self) -> float:
-        seconds = self.next_due_in()
+    def sleep_seconds(self, report: PassReport | None = None) -> float:
+        """How long the loop may sleep after `report`'s pass: until the earliest
+        next_fire_at, within the bounds. The survey's figure stands when the pass changed
+        nothing (an idle pass costs one statement); otherwise it is read again."""
+        if report is not None and report.survey is not None and not report.changed:
+            seconds = report.survey.next_due_in
+        else:
+            seconds = self.next_due_in()
         if seconds is None:
             return conf.MAX_SLEEP_SECONDS
         return min(conf.MAX_SLEEP_SECONDS, max(MIN_SLEEP_SECONDS, seconds))
 
-    def run(self, stop_event: threading.Event) -> None:
+    def run(self, stop_event: threading.Event, wake_event: threading.Event | None = None) -> None:
         """Pass, sleep, repeat until `stop_event` is set; returns within
-        `STOP_POLL_SECONDS` of it. Database errors are logged and retried with backoff."""
-        listener = _Listener()
+        `STOP_POLL_SECONDS` of it. Database errors are logged and retried with backoff.
+
+        Woken early by a notification on `DISPATCH_SCHEDULE_CHANNEL`: read on a LISTEN
+        connection of its own, or, given `wake_event`, by whoever sets it (runworker's
+        LISTEN connection listens on the channel too and sets it)."""
+        listener: _Listener | _Woken = _Listener() if wake_event is None else _Woken(wake_event)
         backoff = 0.5
         log.info(
-            "schedule reconciler started reconciler=%s channel=%s",
+            "schedule reconciler started reconciler=%s channel=%s wake-ups=%s",
             self.name,
             conf.schedule_channel(),
+            "own LISTEN connection" if wake_event is None else "the worker's LISTEN connection",
         )
         try:
             while not stop_event.is_set():
@@ -379,7 +435,7 @@ class ScheduleReconciler:
                     report = self.run_once()
                     if report.fired or report.skipped or report.registered:
                         log.debug("schedule pass reconciler=%s %s", self.name, report)
-                    sleep = self.sleep_seconds()
+                    sleep = self.sleep_seconds(report)
                     backoff = 0.5
                 except DB_ERRORS as exc:
                     _reset_connection()
@@ -482,14 +538,58 @@ class _Listener:
                 return
 
 
-def run_loop(stop_event: threading.Event) -> None:
-    """Entry point for `runworker --scheduler` (a daemon thread) and
-    `reconcile_schedules --loop`."""
+class _Woken:
+    """The loop's wake-ups when the process it runs in listens for it: `event` is set on
+    a notification (runworker's LISTEN connection, see `SchedulingConfig`). Losing one
+    costs at most the bounded sleep, as with a LISTEN connection of its own."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def ensure(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def wait(self, seconds: float, stop_event: threading.Event) -> None:
+        """Wait up to `seconds`, returning early when woken (the event is cleared, so a
+        notification during the next pass wakes the loop again) or once `stop_event` is
+        set."""
+        deadline = time.monotonic() + seconds
+        while not stop_event.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if self.event.wait(min(remaining, STOP_POLL_SECONDS)):
+                self.event.clear()
+                return
+
+
+def run_loop(stop_event: threading.Event, wake_event: threading.Event | None = None) -> None:
+    """Entry point for `runworker` (a thread beside the engine, unless --no-scheduler,
+    woken through the worker's LISTEN connection; found through
+    `SchedulingConfig.scheduler_loop`) and `reconcile_schedules --loop`."""
     try:
-        ScheduleReconciler().run(stop_event)
+        ScheduleReconciler().run(stop_event, wake_event)
     except Exception:  # noqa: BLE001 - a background thread must say why it died
         log.exception("schedule reconciler crashed")
         raise
+
+
+def run_pass() -> PassReport | None:
+    """One pass in the calling thread: `runworker --burst` fires what is due before it
+    drains (found through `SchedulingConfig.scheduler_pass`). A database error is logged
+    and the pass skipped (None): the worker then waits for the database, saying so."""
+    reconciler = ScheduleReconciler()
+    try:
+        report = reconciler.run_once()
+    except DB_ERRORS as exc:
+        _reset_connection()
+        log.warning("schedule pass skipped reconciler=%s error=%s", reconciler.name, db_error(exc))
+        return None
+    log.info("schedule pass reconciler=%s %s", reconciler.name, report)
+    return report
 
 
 def register_at_startup() -> threading.Thread:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -90,16 +91,18 @@ def test_every_added_column_keeps_a_database_default_for_rolling_upgrades() -> N
     assert loader.disk_migrations and not missing, missing
 
 
-def test_every_check_id_is_in_the_table_the_code_and_the_settings_page() -> None:
-    """One table of check ids (`dispatch.checks.CHECK_IDS`): every id the code raises is in
-    it, every row is raised by a check, and docs/settings.md lists each one."""
-    from dispatch import checks
+@pytest.mark.parametrize("app", ["dispatch", "scheduling"])
+def test_every_check_id_is_in_the_table_the_code_and_the_settings_page(app: str) -> None:
+    """One table of check ids per app (`dispatch.checks.CHECK_IDS`,
+    `scheduling.checks.CHECK_IDS`): every id the app's code raises is in it, every row is
+    raised by a check, and docs/settings.md lists each one."""
+    checks = importlib.import_module(f"{app}.checks")
 
     raised: set[str] = set()
-    for path in (ROOT / "dispatch").rglob("*.py"):
-        raised |= set(re.findall(r'id="(dispatch\.[EW]\d{3})"', path.read_text()))
+    for path in (ROOT / app).rglob("*.py"):
+        raised |= set(re.findall(rf'id="({app}\.[EW]\d{{3}})"', path.read_text()))
     settings_page = (ROOT / "docs" / "settings.md").read_text()
-    documented = set(re.findall(r"`(dispatch\.[EW]\d{3})`", settings_page))
+    documented = set(re.findall(rf"`({app}\.[EW]\d{{3}})`", settings_page))
     assert raised, "no check ids found in the code"
     assert raised == set(checks.CHECK_IDS), raised ^ set(checks.CHECK_IDS)
     assert set(checks.CHECK_IDS) <= documented, set(checks.CHECK_IDS) - documented

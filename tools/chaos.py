@@ -549,6 +549,9 @@ class Campaign:
             slot,
             [
                 "runworker",
+                # The campaign's own reconcilers fire the schedules (it kills and restarts
+                # them, and stops them to quiesce): the workers run none.
+                "--no-scheduler",
                 "--concurrency",
                 str(self.o.concurrency),
                 "--worker-id",

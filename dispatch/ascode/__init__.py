@@ -1,7 +1,7 @@
 """Definitions as files: datasources, jobs, bindings and schedules in YAML, keyed by their
 stable names (docs/as-code.md).
 
-The service the `dispatch_apply` and `dispatch_export` commands call, and the HTTP API:
+The service the `dispatch apply` and `dispatch export` subcommands (`dispatch_apply`, `dispatch_export`) call, and the HTTP API:
 
     documents = load_files(["pipelines.yaml"])      # or load_text(body, source="request")
     p = plan(documents, prune=False)                 # DefinitionError: problems, nothing written

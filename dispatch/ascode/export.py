@@ -44,7 +44,7 @@ def export(*, managed_only: bool = False) -> Export:
         if section:
             data[kind.key] = section
     header = [
-        "# dispatch definitions (docs/as-code.md): apply with `manage.py dispatch_apply FILE`.",
+        "# dispatch definitions (docs/as-code.md): apply with `manage.py dispatch apply FILE`.",
         "# Secrets are references (env:NAME, file:/path), never values.",
     ]
     if notes:

@@ -15,7 +15,7 @@ from dispatch.models import MANAGED_BY_FILES
 
 WARNING = (
     "Managed by files: this {what} is defined in definition files, and their next apply "
-    "(dispatch_apply) overwrites edits made here. Change the files instead."
+    "(manage.py dispatch apply) overwrites edits made here. Change the files instead."
 )
 
 

@@ -15,7 +15,7 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import reverse
 
-from dispatch import conf
+from dispatch import conf, hooks
 from dispatch.console.paging import COUNT_CAP, capped_counts
 from dispatch.db import db_now
 from dispatch.models import Attempt, JobBinding, Run, Worker
@@ -292,6 +292,9 @@ def overview_view(modeladmin: ModelAdmin[Any], request: HttpRequest) -> HttpResp
         "title": "Dispatch overview",
         "opts": modeladmin.model._meta,
         **overview_context(),
+        # What the apps built on dispatch have to say (scheduling: schedules overdue
+        # with no reconciler running), without dispatch importing them.
+        "notices": hooks.overview_notices(modeladmin.admin_site.name),
         "run_changelist": reverse(
             "admin:dispatch_run_changelist", current_app=modeladmin.admin_site.name
         ),

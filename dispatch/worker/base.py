@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +73,7 @@ class CoordinatorBase:
         recovery_interval: float | None = None,
         shutdown_grace: float | None = None,
         background: list[Callable[[threading.Event], None]] | None = None,
+        wake_on: Mapping[str, threading.Event] | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -89,6 +90,10 @@ class CoordinatorBase:
         self.worker_id = worker_id or default_worker_id()
         self.burst = burst
         self.background = background or []
+        # Channels the LISTEN connection also listens on, each with the event a
+        # notification on it sets: a background loop's wake-ups (the schedule
+        # reconciler's) come through this connection instead of one of its own.
+        self.wake_on = dict(wake_on or {})
         self.stats: Counter[str] = Counter()
         self._execution_seconds = Histogram(DURATION_BUCKETS)
         self.executions: dict[uuid.UUID, Execution] = {}

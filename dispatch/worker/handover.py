@@ -43,6 +43,8 @@ class ListenHandover(CoordinatorBase):
                 conn = listen.connect(f"dispatch-listen {self.worker_id}")
                 with deadline.guarded(conn, "listen", self.coordination_timeout):
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                    for other in self.wake_on:
+                        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(other)))
                     proxied = self.probe.listen_on(conn)
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 if conn is not None:
@@ -84,6 +86,10 @@ class ListenHandover(CoordinatorBase):
         self.probe.adopted(opening.proxied)
         self._listen_backoff = 0.5
         self._refill = True  # once listening again, one generic pass
+        # Likewise each background loop that waits on this connection: what was announced
+        # while nothing listened is looked at now.
+        for event in self.wake_on.values():
+            event.set()
         log.info("listening worker=%s channel=%s", self.worker_id, conf.channel())
         return True
 
@@ -132,10 +138,14 @@ class ListenHandover(CoordinatorBase):
         try:
             pgconn.consume_input()
             while (n := pgconn.notifies()) is not None:
-                if n.relname.decode("utf-8", "replace") == self.probe.channel:
+                relname = n.relname.decode("utf-8", "replace")
+                if relname == self.probe.channel:
                     self.probe.received(n.extra.decode("utf-8", "replace"))
                     continue
                 self.probe.traffic()
+                if relname in self.wake_on:
+                    self.wake_on[relname].set()
+                    continue
                 self._count("notifications")
                 try:
                     run_ids.append(uuid.UUID(n.extra.decode("utf-8", "replace").strip()))

@@ -82,3 +82,37 @@ SELECT EXTRACT(EPOCH FROM (min(next_fire_at) - clock_timestamp()))::float8
 -- rollback. No set_config('synchronous_commit', ...) here, unlike dispatch's `notify`:
 -- inside the caller's transaction it would weaken that transaction's own commit.
 SELECT pg_notify(%(channel)s, %(payload)s);
+
+-- name: survey
+-- A pass's first statement: upsert the one heartbeat row (database time; greatest() never
+-- moves it back) and say whether anything needs (un)registering and the seconds until the
+-- earliest next_fire_at (negative: due; NULL: none), so an idle pass is this alone.
+WITH beat AS (
+    INSERT INTO scheduling_reconcilerbeat AS b (id, beat_at, reconciler)
+    VALUES (1, now(), %(reconciler)s)
+    ON CONFLICT (id) DO UPDATE
+       SET beat_at = greatest(b.beat_at, excluded.beat_at), reconciler = excluded.reconciler
+    RETURNING b.beat_at
+)
+SELECT (SELECT beat_at FROM beat),
+       EXISTS (SELECT 1 FROM scheduling_schedule WHERE enabled AND next_fire_at IS NULL)
+         OR EXISTS (SELECT 1 FROM scheduling_schedule
+                     WHERE NOT enabled AND next_fire_at IS NOT NULL),
+       (SELECT EXTRACT(EPOCH FROM (min(next_fire_at) - clock_timestamp()))::float8
+          FROM scheduling_schedule
+         WHERE enabled AND next_fire_at IS NOT NULL);
+
+-- name: stalled
+-- Are schedules overdue with no reconciler running? Enabled schedules whose next_fire_at
+-- is more than %(after)s seconds in the past (counted up to 1000: a dead fleet may leave
+-- many), the oldest of them, and the last reconciler beat, with the database's now().
+-- Read by the system check scheduling.W001 and the console; uses
+-- scheduling_schedule_due_idx and the beat's primary key.
+SELECT (SELECT count(*)
+          FROM (SELECT 1 FROM scheduling_schedule
+                 WHERE enabled AND next_fire_at < now() - make_interval(secs => %(after)s)
+                 LIMIT 1000) AS overdue),
+       (SELECT min(next_fire_at) FROM scheduling_schedule
+         WHERE enabled AND next_fire_at IS NOT NULL),
+       (SELECT beat_at FROM scheduling_reconcilerbeat WHERE id = 1),
+       now();

@@ -96,7 +96,7 @@ def test_page__the_first_example_prints_what_the_page_shows(
     shown = re.search(r"```\n(\$ DISPATCH_SECRET.*?)```", PAGE, flags=re.S)
     assert shown is not None
 
-    ran = run_command("dispatch_apply", "pipelines.yaml")
+    ran = run_command("dispatch", "apply", "pipelines.yaml")  # as the page shows it
 
     assert ran.error is None, ran.text
     expected = [

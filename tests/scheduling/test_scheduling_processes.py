@@ -1,6 +1,8 @@
 """Reconcilers as real processes: three racing over the same due schedules, the loop's
 wake-up on a saved schedule (through the admin, or asked for inside a transaction) and its
-prompt stop, and `runworker --scheduler` running a scheduled run to the end."""
+prompt stop, `runworker` (with no flags, `--scheduler`, `--burst`, `--no-scheduler`)
+running a scheduled run to the end or not, and `manage.py check` saying when nothing
+fires the schedules."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from django.urls import reverse
 from dispatch.models import Run
 from dispatch.states import Status, Trigger
 from scheduling import conf, wakeup
-from scheduling.models import OverlapPolicy, Schedule, db_now
+from scheduling.models import OverlapPolicy, ReconcilerBeat, Schedule, db_now
 from tests.support.factories import BindingFactory
 from tests.support.processes import ROOT, Processes, wait_until, worker_env
 
@@ -42,9 +44,10 @@ def listening(count: int) -> bool:
 
 
 def reconciler_asleep() -> bool:
-    """A reconciler's working connection is idle after the last statement of its pass (the
-    sleep's `next_due_in`): it waits on its LISTEN socket until a notification or the end
-    of its bounded sleep."""
+    """A reconciler's working connection is idle after the last statement of its pass (an
+    idle pass's `survey`, or the sleep's `next_due_in`: both read min(next_fire_at) -
+    clock_timestamp()): it waits on its LISTEN socket until a notification or the end of
+    its bounded sleep."""
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
@@ -219,6 +222,105 @@ def test_runworker_scheduler__scheduled_run_succeeds(processes: Processes) -> No
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(20) == 0
     assert "schedule reconciler started" in Processes.output(worker)
+
+
+def test_runworker_without_flags__fires_an_every_minute_schedule_and_runs_it(
+    processes: Processes,
+) -> None:
+    """The layout a host site gets by following the README: one `runworker`, no flags."""
+    schedule = Schedule.objects.create(binding=BindingFactory(), cron="* * * * *", timezone="UTC")
+    # The current minute's slot, due now (as a minute passing would make it).
+    Schedule.objects.filter(pk=schedule.pk).update(
+        next_fire_at=db_now().replace(second=0, microsecond=0)
+    )
+    worker = processes.worker()
+    run = wait_until(
+        lambda: Run.objects.filter(schedule_id=schedule.pk, status=Status.SUCCEEDED).first(),
+        timeout=30,
+        message="the scheduled run to succeed",
+    )
+    assert run.trigger == Trigger.SCHEDULE
+    assert ReconcilerBeat.objects.get().beat_at >= run.created_at - timedelta(seconds=1)
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(20) == 0
+    assert "schedule reconciler started" in Processes.output(worker)
+    assert "wake-ups=the worker's LISTEN connection" in Processes.output(worker)
+
+
+def test_runworker_reconciler__woken_through_the_workers_listen_connection(
+    processes: Processes,
+) -> None:
+    # A yearly slot: once registered, the loop sleeps its full bound (30 s) unless woken.
+    schedule = Schedule.objects.create(binding=BindingFactory(), cron="0 0 1 1 *", timezone="UTC")
+    due = schedule.slots().latest_at_or_before(db_now())
+    assert due is not None
+    worker = processes.worker("--worker-id", "w-wake")
+    wait_until(
+        lambda: "listening worker=w-wake" in Processes.output(worker) and reconciler_asleep(),
+        timeout=30,
+        message="the worker listening and its reconciler asleep",
+    )
+    assert not listening(1)  # no LISTEN connection of the reconciler's own
+    with transaction.atomic():
+        Schedule.objects.filter(pk=schedule.pk).update(next_fire_at=due)
+        wakeup.notify(schedule.pk)
+    committed = time.monotonic()
+    wait_until(
+        lambda: Run.objects.filter(schedule_id=schedule.pk, scheduled_for=due).exists(),
+        timeout=1.0,
+        message="the woken reconciler's run for the due slot",
+    )
+    print(f"\nrunworker's reconciler fired the slot {time.monotonic() - committed:.3f}s after")
+
+
+@pytest.mark.parametrize(("flags", "runs"), [((), 1), (("--no-scheduler",), 0)])
+def test_runworker_burst__fires_what_is_due_then_drains_unless_no_scheduler(
+    processes: Processes, flags: tuple[str, ...], runs: int
+) -> None:
+    """`--burst` runs one reconciler pass before it drains, so its exit is the signal that
+    the pass happened (or, with --no-scheduler, did not)."""
+    due = db_now().replace(second=0, microsecond=0) - timedelta(minutes=5)
+    # A daily slot five minutes ago, missed: FIRE_ONCE catches exactly it up.
+    schedule = Schedule.objects.create(
+        binding=BindingFactory(), cron=f"{due.minute} {due.hour} * * *", timezone="UTC"
+    )
+    Schedule.objects.filter(pk=schedule.pk).update(next_fire_at=due)
+    worker = processes.worker("--burst", *flags)
+    assert worker.wait(60) == 0, Processes.output(worker)
+    out = Processes.output(worker)
+    assert Run.objects.filter(schedule_id=schedule.pk).count() == runs, out
+    assert Run.objects.filter(schedule_id=schedule.pk, status=Status.SUCCEEDED).count() == runs
+    assert ("schedule pass" in out) == bool(runs), out
+    assert ReconcilerBeat.objects.exists() == bool(runs)
+
+
+def manage_check(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), "check"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_manage_check__warns_of_overdue_schedules_with_no_reconciler_and_never_fails() -> None:
+    quiet = manage_check(worker_env())
+    assert quiet.returncode == 0 and "scheduling.W001" not in quiet.stdout + quiet.stderr
+    schedule = Schedule.objects.create(binding=BindingFactory(), cron="* * * * *", timezone="UTC")
+    Schedule.objects.filter(pk=schedule.pk).update(
+        next_fire_at=db_now() - timedelta(seconds=2 * conf.STALLED_AFTER_SECONDS)
+    )
+    result = manage_check(worker_env())
+    assert result.returncode == 0, result.stderr  # a warning, not an error
+    assert "scheduling.W001" in result.stderr
+    assert "no schedule reconciler has ever run" in result.stderr
+    # A database that is down: the check says nothing (the commands that need the
+    # database say so), and `check` itself does not fail.
+    down = manage_check(worker_env(DATABASE_URL="postgres://postgres@127.0.0.1:9/nowhere"))
+    assert down.returncode == 0, down.stderr
+    assert "Traceback" not in down.stderr and "scheduling.W001" not in down.stderr
 
 
 REGISTER_AT_START = (

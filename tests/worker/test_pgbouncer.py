@@ -149,7 +149,8 @@ def test_connection_budget__direct_worker_listen_main_heartbeat_and_one_per_busy
 ) -> None:
     """The budget of docs/deployment.md, measured: a worker with 4 slots, 3 of them busy,
     straight to PostgreSQL holds 1 LISTEN + 1 claims/recovery + 1 heartbeat + 1 maintenance
-    + 3 slots."""
+    + 3 slots, and its schedule reconciler 1 working (its wake-ups come through the
+    worker's LISTEN connection)."""
     direct = Processes(tmp_path)
     # Its own application name: PgBouncer's server connections carry the default one.
     direct.env_overrides = {
@@ -166,9 +167,10 @@ def test_connection_budget__direct_worker_listen_main_heartbeat_and_one_per_busy
             message="three slots busy",
         )
         # The heartbeat thread connects on its first beat (a claim wakes it at once), the
-        # maintenance thread on its first tick.
-        wait_until(lambda: _backends("w-budget") == 6, message="6 working connections")
+        # maintenance thread on its first tick, the reconciler on its first pass.
+        wait_until(lambda: _backends("w-budget") == 7, message="7 working connections")
         assert _backends("dispatch-listen w-budget") == 1
+        assert _backends("dispatch-schedules-listen") == 0
     finally:
         direct.stop_all()
 

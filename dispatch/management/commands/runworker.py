@@ -5,12 +5,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from django.apps import apps
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import OperationalError
-from django.utils.module_loading import import_string
 
-from dispatch import checks, conf, deadline
+from dispatch import checks, conf, deadline, hooks
 from dispatch.ops import maintenance, metrics
 from dispatch.worker.coordinator import WorkerDispatchCoordinator
 from dispatch.worker.log import ensure_worker_logging
@@ -19,7 +17,10 @@ log = logging.getLogger("dispatch.worker")
 
 
 class Command(BaseCommand):
-    help = "Claim and execute runs until SIGTERM/SIGINT (drains within the grace period)."
+    help = (
+        "Claim and execute runs, and fire due schedules, until SIGTERM/SIGINT (drains "
+        "within the grace period)."
+    )
     requires_system_checks = "__all__"  # type: ignore[assignment]
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -31,10 +32,17 @@ class Command(BaseCommand):
             help="seconds between polls (default DISPATCH_POLL_INTERVAL)",
         )
         parser.add_argument("--worker-id", default=None, help="default: host:pid:random")
-        parser.add_argument(
+        scheduler = parser.add_mutually_exclusive_group()
+        scheduler.add_argument(
+            "--no-scheduler",
+            action="store_true",
+            help="do not run the schedule reconciler in this process (default: it runs "
+            "when the scheduling app is installed; one per fleet is enough)",
+        )
+        scheduler.add_argument(
             "--scheduler",
             action="store_true",
-            help="also run the schedule reconciler loop in this process",
+            help="accepted for compatibility: the reconciler runs by default",
         )
         parser.add_argument(
             "--burst",
@@ -78,10 +86,26 @@ class Command(BaseCommand):
         deadline.bound_worker_sessions(conf.coordination_timeout())
         self._preflight()
         background: list[Callable[[threading.Event], None]] = []
-        if options["scheduler"]:
-            if not apps.is_installed("scheduling"):
-                raise CommandError("--scheduler needs the scheduling app in INSTALLED_APPS.")
-            background.append(import_string("scheduling.reconciler.run_loop"))
+        # The schedule reconciler, found through the scheduling app's AppConfig (dispatch
+        # never imports it): a loop beside the engine, or under --burst one pass before
+        # the drain, so that what is due now is fired and run before the worker exits.
+        schedulers = [] if options["no_scheduler"] else hooks.schedulers()
+        if options["scheduler"] and not schedulers:
+            raise CommandError("--scheduler needs the scheduling app in INSTALLED_APPS.")
+        wake_on: dict[str, threading.Event] = {}
+        for scheduler in schedulers:
+            if options["burst"]:
+                if scheduler.once is not None:
+                    scheduler.once()
+                continue
+            wake = None
+            # (A channel that is the worker's own would take the runs' wake-ups from it:
+            # such a loop listens on a connection of its own.)
+            if scheduler.channel and scheduler.channel != conf.channel():
+                # Its wake-ups come through the worker's LISTEN connection: no second
+                # LISTEN connection per process.
+                wake = wake_on.setdefault(scheduler.channel, threading.Event())
+            background.append(scheduler.target(wake))
         if conf.maintenance_enabled() and not options["no_maintenance"]:
             background.append(maintenance.run_loop)
         coordinator = WorkerDispatchCoordinator(
@@ -90,6 +114,7 @@ class Command(BaseCommand):
             worker_id=options["worker_id"],
             burst=options["burst"],
             background=background,
+            wake_on=wake_on,
         )
         if port:
             addr = options["metrics_addr"] or conf.worker_metrics_addr()
