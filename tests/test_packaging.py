@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tomllib
@@ -24,7 +25,7 @@ from django.db import connection
 from packaging.requirements import Requirement
 from psycopg import sql
 
-from tests.support.processes import test_database_url
+from tests.support.processes import test_database_url, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "7tLtvrDaR4N3B7yWAnMGz7CVGRHhKK0mFmGiZ1cxjbs="
@@ -333,3 +334,118 @@ def test_a_new_django_site__installs_migrates_runs_and_serves_the_console(
     ]
     pages = run([*manage, "shell", "--no-imports", "-c", PAGES], cwd=tmp_path, env=env).stdout
     assert "PAGES" in pages and "'dispatch'" in pages and "'scheduling'" in pages, pages
+
+
+def readme_block(marker: str) -> str:
+    """The fenced block right after `<!-- install:MARKER -->` in the README, as written."""
+    text = (ROOT / "README.md").read_text()
+    head = f"<!-- install:{marker} -->\n```python\n"
+    assert head in text, f"the README has no {marker} snippet"
+    return text.split(head, 1)[1].split("\n```", 1)[0] + "\n"
+
+
+def readme_keygen_command() -> str:
+    """The README's key-generation line (`python -c "..."`)."""
+    text = (ROOT / "README.md").read_text()
+    (line,) = [row for row in text.splitlines() if row.startswith('python -c "from cryptography')]
+    return line.split('"', 2)[1]
+
+
+SCHEDULE = """
+from dispatch.models import Datasource, Job, JobBinding
+from scheduling.models import Schedule
+source = Datasource(name="gen", kind="generate")
+source.config = {}
+source.save()
+sink = Datasource(name="void", kind="null")
+sink.config = {}
+sink.save()
+job = Job.objects.create(name="copy", source_spec={"rows": 5})
+binding = JobBinding.objects.create(name="every-minute", job=job, source=source, sink=sink)
+Schedule.objects.create(binding=binding, cron="* * * * *", timezone="UTC")
+"""
+
+HEALTH = """
+from django.test import Client
+from django.test.utils import setup_test_environment
+setup_test_environment()
+print("HEALTHZ", Client().get("/dispatch/healthz").status_code)
+"""
+
+
+@pytest.mark.django_db
+def test_the_readme_install_section__as_written__makes_a_site_whose_schedules_fire(
+    venv: Path, tmp_path: Path, host_database: dict[str, str]
+):
+    """The README's install section, literally: its key command, its settings and urls
+    snippets, `migrate`, then one `runworker` with no flags, and a `* * * * *` schedule
+    fires (the worker runs the reconciler by default)."""
+    bindir = venv / "bin"
+    python = str(bindir / "python")
+    site = tmp_path / "site"
+    site.mkdir()
+    run(
+        [str(bindir / "django-admin"), "startproject", "mysite", str(site)],
+        cwd=site,
+        env=clean_env(),
+    )
+    with (site / "mysite" / "settings.py").open("a") as settings_file:
+        settings_file.write("\n" + readme_block("settings"))
+    with (site / "mysite" / "urls.py").open("a") as urls_file:
+        urls_file.write("\n" + readme_block("urls"))
+    key = run([python, "-c", readme_keygen_command()], cwd=site, env=clean_env()).stdout.strip()
+    base = clean_env(
+        PYTHONUNBUFFERED="1",
+        PGDATABASE=host_database["HOST_DB_NAME"],
+        PGUSER=host_database["HOST_DB_USER"],
+        PGPASSWORD=host_database["HOST_DB_PASSWORD"],
+        PGHOST=host_database["HOST_DB_HOST"],
+        PGPORT=host_database["HOST_DB_PORT"],
+    )
+    manage = [python, "manage.py"]
+
+    # Without the key the product's own check says so (no KeyError at import).
+    no_key = run([*manage, "check"], cwd=site, env=base, ok=False)
+    assert no_key.returncode != 0 and "dispatch.E001" in no_key.stderr, no_key.stderr
+    assert "KeyError" not in no_key.stderr
+    env = {**base, "DISPATCH_ENCRYPTION_KEYS": key}
+    run([*manage, "check"], cwd=site, env=env)
+    run([*manage, "migrate", "--no-input", "-v", "0"], cwd=site, env=env)
+    run([*manage, "shell", "--no-imports", "-c", SCHEDULE], cwd=site, env=env)
+    health = run([*manage, "shell", "--no-imports", "-c", HEALTH], cwd=site, env=env).stdout
+    assert "HEALTHZ 200" in health, health
+
+    url = (
+        f"postgres://{host_database['HOST_DB_USER']}@{host_database['HOST_DB_HOST']}:"
+        f"{host_database['HOST_DB_PORT']}/{host_database['HOST_DB_NAME']}"
+    )
+
+    def succeeded_scheduled_runs() -> int:
+        with psycopg.connect(url, password=host_database["HOST_DB_PASSWORD"] or None) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM dispatch_run r JOIN dispatch_jobbinding b"
+                " ON b.id = r.binding_id WHERE b.name = 'every-minute'"
+                " AND r.status = 'SUCCEEDED' AND r.scheduled_for IS NOT NULL"
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    log_path = tmp_path / "worker.log"
+    with log_path.open("w") as log_file:
+        worker = subprocess.Popen(
+            [*manage, "runworker"], cwd=site, env=env, stdout=log_file, stderr=subprocess.STDOUT
+        )
+        try:
+            # The next `* * * * *` slot is at most a minute away.
+            wait_until(
+                lambda: succeeded_scheduled_runs() >= 1,
+                timeout=120,
+                interval=0.5,
+                message="a run of the every-minute schedule to succeed",
+            )
+        except AssertionError:
+            worker.kill()
+            raise AssertionError(log_path.read_text()[-3000:]) from None
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            code = worker.wait(timeout=60)
+    assert code == 0, log_path.read_text()[-3000:]
