@@ -269,7 +269,14 @@ def start(argv: Sequence[str], env: dict[str, str], log_name: str) -> Proc:
 def start_workers(
     n: int, concurrency: int, env: dict[str, str], *, burst: bool, tag: str
 ) -> list[Proc]:
-    args = [sys.executable, str(ROOT / "manage.py"), "runworker", "--concurrency", str(concurrency)]
+    args = [
+        sys.executable,
+        str(ROOT / "manage.py"),
+        "runworker",
+        "--no-scheduler",
+        "--concurrency",
+        str(concurrency),
+    ]
     if burst:
         args.append("--burst")
     return [start([*args, "--worker-id", f"{tag}-{i}"], env, f"{tag}-{i}.log") for i in range(n)]

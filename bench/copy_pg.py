@@ -176,7 +176,14 @@ def worker_round(server: str, binding: Any, table: str, rows: int) -> tuple[floa
     reset_sink(server, f"{table}_copy")
     log = open(ROOT / "bench" / "results" / "copy-worker.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "manage.py"), "runworker", "--concurrency", "1"],
+        [
+            sys.executable,
+            str(ROOT / "manage.py"),
+            "runworker",
+            "--no-scheduler",
+            "--concurrency",
+            "1",
+        ],
         env=env(server),
         cwd=ROOT,
         stdout=log,

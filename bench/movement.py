@@ -90,7 +90,14 @@ def worker_round(server: str, binding: Any, sink: str, rows: int, key: bool) -> 
 
     reset_sink(server, sink, key=key)
     proc = common.start(
-        [sys.executable, str(common.ROOT / "manage.py"), "runworker", "--concurrency", "1"],
+        [
+            sys.executable,
+            str(common.ROOT / "manage.py"),
+            "runworker",
+            "--no-scheduler",
+            "--concurrency",
+            "1",
+        ],
         cp.env(server),
         f"movement-{sink}.log",
     )

@@ -143,7 +143,7 @@ def cmd_run() -> int:
         )
         procs.append(
             subprocess.Popen(
-                [PYTHON, str(ROOT / "manage.py"), "runworker", "--scheduler", "--concurrency", "2"],
+                [PYTHON, str(ROOT / "manage.py"), "runworker", "--concurrency", "2"],
                 env=env,
                 cwd=ROOT,
                 start_new_session=True,
