@@ -15,8 +15,11 @@ from django.db import connection
 DB_ERRORS: tuple[type[BaseException], ...] = (DjangoDBError, psycopg.Error)
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception's text on one line, at most 300 characters (its type when empty)."""
+def one_line(exc: BaseException | str) -> str:
+    """An exception's text (or a text) on one line, at most 300 characters (an
+    exception's type when its text is empty)."""
+    if isinstance(exc, str):
+        return " ".join(exc.split())[:300]
     return " ".join(str(exc).split())[:300] or type(exc).__name__
 
 

@@ -113,6 +113,12 @@ UPDATE dispatch_attempt
    SET cursor_from = %(cursor_from)s::jsonb, cursor_to = %(cursor_to)s::jsonb
  WHERE id = %(attempt)s AND lease_token = %(token)s AND status = 'RUNNING';
 
+-- name: record_estimate
+-- The rows an attempt's source expects to read (progress only: nothing decides on it),
+-- once its read begins. Guarded by status and token, like a settlement.
+UPDATE dispatch_attempt SET rows_estimated = %(rows)s
+ WHERE id = %(attempt)s AND lease_token = %(token)s AND status = 'RUNNING';
+
 -- name: record_cursor_copy
 -- The console's copy of a binding's committed cursor, moved only forward (by the sink's
 -- version): a late writer with an older version changes nothing.

@@ -16,7 +16,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from django.db import DatabaseError, connection, transaction
 
-from dispatch import deadline
+from dispatch import deadline, signals
 from dispatch.db import storable
 from dispatch.sqlfiles import query
 
@@ -110,6 +110,17 @@ def record_cursor(
                 "cursor_from": None if cursor_from is None else json.dumps(cursor_from),
                 "cursor_to": None if cursor_to is None else json.dumps(cursor_to),
             },
+        )
+        return cursor.rowcount == 1
+
+
+@_bounded
+def record_estimate(attempt_id: uuid.UUID, token: int, rows: int) -> bool:
+    """Store the rows an attempt's source expects to read (status + token guarded).
+    False: the attempt is no longer ours."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            query("record_estimate"), {"attempt": attempt_id, "token": token, "rows": rows}
         )
         return cursor.rowcount == 1
 
@@ -280,6 +291,10 @@ def recover(limit: int = 500, *, refresh: bool = False) -> list[Recovered]:
             with connection.cursor() as cursor:
                 cursor.execute(query("recover"), {"limit": limit, "skip": failed})
                 batch = [Recovered(*row) for row in cursor.fetchall()]
+            # Sent once this batch commits, by whichever process ran the pass.
+            signals.settled_many(
+                [(r.attempt_id, r.run_id, r.number, r.outcome) for r in batch if r.outcome]
+            )
             if refresh and len(batch) < limit:
                 try:
                     with transaction.atomic():

@@ -123,6 +123,12 @@ class Heartbeat(CoordinatorBase):
             self._stop_threads.wait(wait)
 
     def _heartbeat_loop(self) -> None:
+        try:
+            self._heartbeats()
+        finally:
+            self._reset_connection()  # an ended thread leaves no connection behind
+
+    def _heartbeats(self) -> None:
         # The first heartbeat at once: its look at the queue times the first recovery
         # pass and the timer, and lets polling stop, without waiting an idle period.
         next_beat = time.monotonic()
