@@ -113,11 +113,16 @@ UPDATE dispatch_attempt
    SET cursor_from = %(cursor_from)s::jsonb, cursor_to = %(cursor_to)s::jsonb
  WHERE id = %(attempt)s AND lease_token = %(token)s AND status = 'RUNNING';
 
--- name: record_estimate
--- The rows an attempt's source expects to read (progress only: nothing decides on it),
--- once its read begins. Guarded by status and token, like a settlement.
-UPDATE dispatch_attempt SET rows_estimated = %(rows)s
- WHERE id = %(attempt)s AND lease_token = %(token)s AND status = 'RUNNING';
+-- name: record_estimates
+-- The rows each of a worker's attempts expects to read (its source's estimate: progress
+-- only, nothing decides on it), written once per attempt in the heartbeat's transaction,
+-- right after dispatch_heartbeat_v1 has locked these rows: no transaction and no lock of
+-- its own. Guarded by status and token, like the heartbeat.
+UPDATE dispatch_attempt a SET rows_estimated = e.rows
+  FROM unnest(%(attempts)s::uuid[], %(tokens)s::bigint[], %(rows)s::bigint[])
+       AS e(id, token, rows)
+ WHERE a.id = e.id AND a.lease_token = e.token AND a.status = 'RUNNING'
+RETURNING a.id;
 
 -- name: record_cursor_copy
 -- The console's copy of a binding's committed cursor, moved only forward (by the sink's

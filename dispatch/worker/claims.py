@@ -115,17 +115,6 @@ def record_cursor(
 
 
 @_bounded
-def record_estimate(attempt_id: uuid.UUID, token: int, rows: int) -> bool:
-    """Store the rows an attempt's source expects to read (status + token guarded).
-    False: the attempt is no longer ours."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            query("record_estimate"), {"attempt": attempt_id, "token": token, "rows": rows}
-        )
-        return cursor.rowcount == 1
-
-
-@_bounded
 def _outcome(
     attempt_id: uuid.UUID,
     token: int,
@@ -253,17 +242,33 @@ def heartbeat_and_peers(
     worker_id: str,
     held: Sequence[tuple[uuid.UUID, int, int, int]],
     stats: dict[str, Any],
-) -> tuple[dict[uuid.UUID, Beat], tuple[str, ...], QueueView]:
-    """The heartbeat, and in the same transaction the live workers that reported a free
-    slot (for ranking notifications) and the worker's look at the queue: one transaction
-    is all an idle worker spends per heartbeat interval."""
+    estimates: Sequence[tuple[uuid.UUID, int, int]] = (),
+) -> tuple[dict[uuid.UUID, Beat], tuple[str, ...], QueueView, set[uuid.UUID]]:
+    """The heartbeat, and in the same transaction the row estimates of attempts whose read
+    began since the last one ((attempt, token, rows); those recorded come back), the live
+    workers that reported a free slot (for ranking notifications) and the worker's look at
+    the queue: one transaction is all an idle worker spends per heartbeat interval, and an
+    estimate costs no transaction of its own (a run of a few milliseconds keeps its one
+    transaction: it finishes before a heartbeat and records none)."""
     with transaction.atomic():
         beats = heartbeat(worker_id, held, stats)
+        recorded: set[uuid.UUID] = set()
+        if estimates:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    query("record_estimates"),
+                    {
+                        "attempts": [e[0] for e in estimates],
+                        "tokens": [e[1] for e in estimates],
+                        "rows": [e[2] for e in estimates],
+                    },
+                )
+                recorded = {row[0] for row in cursor.fetchall()}
         with connection.cursor() as cursor:
             cursor.execute(query("live_workers"), {"stale": stale_seconds})
             peers = tuple(row[0] for row in cursor.fetchall())
         view = queue_view()
-    return beats, peers, view
+    return beats, peers, view, recorded
 
 
 @_bounded

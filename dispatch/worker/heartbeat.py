@@ -28,7 +28,7 @@ class Heartbeat(CoordinatorBase):
         stats.update(self.probe.stats())
         stats["free_slots"] = 0 if self.stopping else self._free()
         sent_at = time.monotonic()
-        beats, peers, view = claims.heartbeat_and_peers(
+        beats, peers, view, recorded = claims.heartbeat_and_peers(
             STALE_HEARTBEATS * self.idle_heartbeat,
             self.worker_id,
             [
@@ -41,7 +41,15 @@ class Heartbeat(CoordinatorBase):
                 for e in held
             ],
             stats,
+            [
+                (e.claimed.attempt_id, e.claimed.lease_token, e.control.rows_estimated)
+                for e in held
+                if e.control.rows_estimated is not None and not e.control.estimate_recorded
+            ],
         )
+        for e in held:
+            if e.claimed.attempt_id in recorded:
+                e.control.estimate_recorded = True
         with self._lock:
             self._peers = peers
             self._view = (sent_at, view)

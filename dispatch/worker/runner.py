@@ -59,6 +59,9 @@ class ExecutionControl:
         self.deadline = self.started + claimed.timeout_seconds if claimed.timeout_seconds else None
         self.rows_read = 0
         self.rows_written = 0
+        # The source's estimate of its rows, and whether a heartbeat has recorded it.
+        self.rows_estimated: int | None = None
+        self.estimate_recorded = False
         self.cause: StopCause | None = None
         self._event = threading.Event()
         # Called (from whichever thread stops the execution) to interrupt what the
@@ -208,21 +211,11 @@ class Context:
             raise Stopped(self.control.cause.value if self.control.cause else "stop")
 
     def estimate(self, rows: int) -> None:
-        """Record the source's estimate on the attempt row at once (the console and
-        `trigger --wait` show progress against it). Progress only: a failure is logged and
-        the transfer goes on."""
+        """Keep the source's estimate; the next heartbeat records it on the attempt, in
+        its own transaction, with the first rows read."""
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
             return  # a connector's mistake: no total is better than a wrong one
-        c = self.control.claimed
-        try:
-            claims.record_estimate(c.attempt_id, c.lease_token, rows)
-        except DB_ERRORS as exc:
-            log.warning(
-                "row estimate not recorded run=%s attempt=%s error=%s",
-                c.run_id,
-                c.number,
-                one_line(exc),
-            )
+        self.control.rows_estimated = rows
 
     def should_stop(self) -> bool:
         return self.control.should_stop()

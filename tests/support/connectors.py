@@ -183,7 +183,8 @@ def run_transfer(
 class FailingSource(Connector):
     """A source (kind `test_failing`, for worker subprocesses: DISPATCH_CONNECTORS=
     tests.support.connectors.FailingSource) that reads `rows` rows of the `expect` it
-    announces, then fails for good with `error`, which may span lines."""
+    announces, waits `wait` seconds, then fails for good with `error` (which may span
+    lines)."""
 
     kind = "test_failing"
     roles = frozenset({"source"})
@@ -191,7 +192,7 @@ class FailingSource(Connector):
     @classmethod
     def validate_source_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
         spec = require_object(spec, "source_spec")
-        check_unknown(spec, {"rows", "expect", "error"})
+        check_unknown(spec, {"rows", "expect", "wait", "error"})
         return spec
 
     @classmethod
@@ -202,6 +203,7 @@ class FailingSource(Connector):
         def batches() -> Iterator[list[Any]]:
             ctx.estimate(int(spec.get("expect", 0)))
             yield [(i,) for i in range(int(spec.get("rows", 0)))]
+            ctx.wait(float(spec.get("wait", 0)))
             raise PermanentError(str(spec.get("error", "failed")))
 
         yield SimpleReader([Column("n", "integer")], batches())

@@ -25,7 +25,13 @@ def test_trigger_wait__a_failed_run_prints_reason_error_rows_and_duration(
 ) -> None:
     source = Datasource(name="breaks", kind="test_failing", config={})
     source.save()
-    job = JobFactory(source_spec={"rows": 7, "expect": 10, "error": ERROR}, max_attempts=3)
+    # Its estimate reaches the attempt with a heartbeat (every lease / 3 = 1 s): the
+    # source fails only after a few.
+    job = JobFactory(
+        source_spec={"rows": 7, "expect": 10, "wait": 3, "error": ERROR},
+        max_attempts=3,
+        lease_seconds=3,
+    )
     BindingFactory(name="breaks-to-null", job=job, source=source)
     worker = processes.worker(
         env=worker_env(DISPATCH_CONNECTORS="tests.support.connectors.FailingSource")
