@@ -166,7 +166,7 @@ def progress_bar(p: Progress, *, detail: bool = False) -> SafeString:
         parts.append(rate_text(p.rate))
     if p.eta_seconds is not None:
         parts.append(f"about {seconds_text(p.eta_seconds)} left")
-    return format_html('{} <span class="dsp-progress-detail">{}</span>', html, " · ".join(parts))
+    return format_html('{} <span class="dsp-progress-detail">· {}</span>', html, " · ".join(parts))
 
 
 # One way of writing a duration in the console, the commands and the API.

@@ -37,7 +37,7 @@ def test_progress__running_with_an_estimate_has_percent_rate_and_time_left() -> 
     )
     html = progress_bar(p, detail=True)
     assert '<progress max="100" value="25"></progress> 250,000 of ~1,000,000 rows (25 %)' in html
-    assert "240,000 written · 25,000 rows/s · about 30.0 s left" in html
+    assert "· 240,000 written · 25,000 rows/s · about 30.0 s left" in html
 
 
 def test_progress__past_its_estimate_the_total_is_unknown_not_over_100_percent() -> None:
