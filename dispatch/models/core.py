@@ -484,7 +484,7 @@ class Attempt(models.Model):
     rows_read = models.BigIntegerField(default=0)
     rows_written = models.BigIntegerField(default=0)
     # How many rows the source expects to read (the planner's estimate, or an exact count
-    # where that is cheap), recorded by the first heartbeat after the read began: the
+    # where that is cheap), recorded right after the first heartbeat of the read: the
     # progress bar's total, and with rows_read and the claim and heartbeat times (database
     # time) its rate and time left. Null: no estimate (none given, or the run ended first).
     rows_estimated = models.BigIntegerField(null=True, blank=True, editable=False)

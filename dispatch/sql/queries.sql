@@ -115,9 +115,9 @@ UPDATE dispatch_attempt
 
 -- name: record_estimates
 -- The rows each of a worker's attempts expects to read (its source's estimate: progress
--- only, nothing decides on it), written once per attempt in the heartbeat's transaction,
--- right after dispatch_heartbeat_v1 has locked these rows: no transaction and no lock of
--- its own. Guarded by status and token, like the heartbeat.
+-- only, nothing decides on it), written once per attempt by the heartbeat thread after a
+-- heartbeat, in a statement of its own (claims.record_estimates says why not inside the
+-- heartbeat's transaction). Locks only attempt rows; guarded by status and token.
 UPDATE dispatch_attempt a SET rows_estimated = e.rows
   FROM unnest(%(attempts)s::uuid[], %(tokens)s::bigint[], %(rows)s::bigint[])
        AS e(id, token, rows)

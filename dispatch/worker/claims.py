@@ -242,33 +242,39 @@ def heartbeat_and_peers(
     worker_id: str,
     held: Sequence[tuple[uuid.UUID, int, int, int]],
     stats: dict[str, Any],
-    estimates: Sequence[tuple[uuid.UUID, int, int]] = (),
-) -> tuple[dict[uuid.UUID, Beat], tuple[str, ...], QueueView, set[uuid.UUID]]:
-    """The heartbeat, and in the same transaction the row estimates of attempts whose read
-    began since the last one ((attempt, token, rows); those recorded come back), the live
-    workers that reported a free slot (for ranking notifications) and the worker's look at
-    the queue: one transaction is all an idle worker spends per heartbeat interval, and an
-    estimate costs no transaction of its own (a run of a few milliseconds keeps its one
-    transaction: it finishes before a heartbeat and records none)."""
+) -> tuple[dict[uuid.UUID, Beat], tuple[str, ...], QueueView]:
+    """The heartbeat, and in the same transaction the live workers that reported a free
+    slot (for ranking notifications) and the worker's look at the queue: one transaction
+    is all an idle worker spends per heartbeat interval."""
     with transaction.atomic():
         beats = heartbeat(worker_id, held, stats)
-        recorded: set[uuid.UUID] = set()
-        if estimates:
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    query("record_estimates"),
-                    {
-                        "attempts": [e[0] for e in estimates],
-                        "tokens": [e[1] for e in estimates],
-                        "rows": [e[2] for e in estimates],
-                    },
-                )
-                recorded = {row[0] for row in cursor.fetchall()}
         with connection.cursor() as cursor:
             cursor.execute(query("live_workers"), {"stale": stale_seconds})
             peers = tuple(row[0] for row in cursor.fetchall())
         view = queue_view()
-    return beats, peers, view, recorded
+    return beats, peers, view
+
+
+@_bounded
+def record_estimates(estimates: Sequence[tuple[uuid.UUID, int, int]]) -> set[uuid.UUID]:
+    """Store the rows each (attempt, token, rows) expects to read, status + token guarded;
+    returns the attempts written (the others are no longer ours).
+
+    A statement of its own, after the heartbeat's transaction, never inside it: a second
+    update of a row the transaction has already updated makes PostgreSQL check the row's
+    foreign key again at commit (a deferred constraint), which locks the attempt's run
+    (FOR KEY SHARE) at the end of a transaction that holds the attempt: the run -> attempt
+    order reversed, and a wait behind whoever holds the run (a settlement, a cancel)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            query("record_estimates"),
+            {
+                "attempts": [e[0] for e in estimates],
+                "tokens": [e[1] for e in estimates],
+                "rows": [e[2] for e in estimates],
+            },
+        )
+        return {row[0] for row in cursor.fetchall()}
 
 
 @_bounded

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 from dispatch import deadline
 from dispatch.db import DB_ERRORS, one_line
 from dispatch.worker import claims
-from dispatch.worker.base import STALE_HEARTBEATS, CoordinatorBase
+from dispatch.worker.base import STALE_HEARTBEATS, CoordinatorBase, Execution
 from dispatch.worker.runner import StopCause
 
 log = logging.getLogger("dispatch.worker")
@@ -28,7 +29,7 @@ class Heartbeat(CoordinatorBase):
         stats.update(self.probe.stats())
         stats["free_slots"] = 0 if self.stopping else self._free()
         sent_at = time.monotonic()
-        beats, peers, view, recorded = claims.heartbeat_and_peers(
+        beats, peers, view = claims.heartbeat_and_peers(
             STALE_HEARTBEATS * self.idle_heartbeat,
             self.worker_id,
             [
@@ -41,15 +42,7 @@ class Heartbeat(CoordinatorBase):
                 for e in held
             ],
             stats,
-            [
-                (e.claimed.attempt_id, e.claimed.lease_token, e.control.rows_estimated)
-                for e in held
-                if e.control.rows_estimated is not None and not e.control.estimate_recorded
-            ],
         )
-        for e in held:
-            if e.claimed.attempt_id in recorded:
-                e.control.estimate_recorded = True
         with self._lock:
             self._peers = peers
             self._view = (sent_at, view)
@@ -70,6 +63,31 @@ class Heartbeat(CoordinatorBase):
             e.control.heartbeat_ok(beat.lease_seconds, sent_at)
             if beat.cancel_requested:
                 e.control.stop(StopCause.CANCEL)
+        self._record_estimates([e for e in held if e.claimed.attempt_id in beats])
+
+    def _record_estimates(self, held: list[Execution]) -> None:
+        """The row estimates of reads that began since the last heartbeat, once per
+        attempt: one short statement, only when there is one to write (a run that ends
+        before its first heartbeat writes none, and costs no transaction more). Progress
+        only: a failure is logged and tried again at the next heartbeat."""
+        pending: list[tuple[uuid.UUID, int, int]] = []
+        for e in held:
+            rows = e.control.rows_estimated
+            if rows is not None and not e.control.estimate_recorded:
+                pending.append((e.claimed.attempt_id, e.claimed.lease_token, rows))
+        if not pending:
+            return
+        try:
+            recorded = claims.record_estimates(pending)
+        except DB_ERRORS as exc:
+            self._reset_connection()
+            log.warning(
+                "row estimates not recorded worker=%s error=%s", self.worker_id, one_line(exc)
+            )
+            return
+        for e in held:
+            if e.claimed.attempt_id in recorded:
+                e.control.estimate_recorded = True
 
     def _heartbeat_interval(self) -> float:
         with self._lock:
