@@ -57,6 +57,14 @@ class WaitDisplay:
         else:
             self._line(result)
 
+    def note(self, text: str) -> None:
+        """A message of its own line (above the bar on a terminal)."""
+        if self._bar is not None:
+            self._bar.console.print(text, markup=False, highlight=False)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()

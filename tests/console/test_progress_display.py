@@ -120,8 +120,10 @@ def test_wait_display__draws_a_bar_on_a_terminal() -> None:
     out = io.StringIO()
     display = WaitDisplay(out, tty=True)
     display.update(_result("RUNNING", "", Progress.of(attempt("RUNNING", 250, 250, 1000, 1))))
+    display.note("No live worker [yet]")  # printed above the bar, as written
     display.close()
     drawn = out.getvalue()
+    assert "No live worker [yet]" in drawn
     assert "\x1b[" in drawn  # drawn by rich, not printed as lines
     assert "250 / ~1,000 rows (25 %)" in drawn
     assert "250 rows/s" in drawn and "about 3.0 s left" in drawn

@@ -55,40 +55,39 @@ class Command(BaseCommand):
         self._warned = False
 
         def on_progress(current: api.RunResult) -> None:
-            self._check_workers(current)
+            self._check_workers(current, display)
             display.update(current)
 
         try:
             result = api.wait(run.id, timeout=options["timeout"], on_progress=on_progress)
         except api.WaitTimeout as exc:
-            display.close()
             raise CommandError(
                 f"Run {run.id} is still {exc.result.status} after {options['timeout']}s."
             ) from None
         except api.NotFound:  # retention cannot prune a live run; an operator's delete can
-            display.close()
             raise CommandError(f"Run {run.id} no longer exists.") from None
-        display.close()
+        finally:
+            display.close()
         err.write("".join(f"{line}\n" for line in summary_lines(result)))
         err.flush()
         if not result.succeeded:
             raise CommandError(f"Run {run.id} finished {result.status}.")
 
-    def _check_workers(self, current: api.RunResult) -> None:
+    def _check_workers(self, current: api.RunResult, display: WaitDisplay) -> None:
         """Say so when the run waits and no worker is live (and when one is again)."""
         if current.status != Status.PENDING or time.monotonic() < self._next_worker_check:
             return
         self._next_worker_check = time.monotonic() + conf.idle_heartbeat_seconds()
         live = live_workers()
         if not live and not self._warned:
-            self.stderr.write(
+            display.note(
                 f"No live worker: no `runworker` has heartbeated in the last "
                 f"{live_worker_seconds():.0f} s. Run {current.run_id} waits until one starts "
                 "(manage.py runworker)."
             )
             self._warned = True
         elif live and self._warned:
-            self.stderr.write(f"A worker is live again ({live} in all).")
+            display.note(f"A worker is live again ({live} in all).")
             self._warned = False
 
 
