@@ -48,9 +48,11 @@ def loggable(text: str) -> str:
     return storable(text).translate(_LINE_BREAKS)
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception's text for a log line (`loggable`, outer whitespace trimmed), at most
-    300 characters (its type when empty)."""
+def one_line(exc: BaseException | str) -> str:
+    """An exception's text (or a text) for a log line (`loggable`, outer whitespace
+    trimmed), at most 300 characters (an exception's type when its text is empty)."""
+    if isinstance(exc, str):
+        return loggable(exc.strip())[:300]
     return loggable(str(exc).strip())[:300] or type(exc).__name__
 
 

@@ -22,7 +22,7 @@ from django.db import DatabaseError, connection, transaction
 from django.db.models import Max
 from django.db.models.functions import Now
 
-from dispatch import conf, deadline, sqlfiles
+from dispatch import conf, deadline, signals, sqlfiles
 from dispatch.models import Attempt, BindingCursor, JobBinding, Run
 from dispatch.security import crypto
 from dispatch.states import (
@@ -287,6 +287,13 @@ def cancel_run(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
             Run.objects.filter(pk=locked.pk).update(
                 status=Status.CANCELLED, finished_at=Now(), cancel_requested_at=Now()
             )
+            signals.settled(
+                run_id=locked.pk,
+                attempt_id=live.pk,
+                attempt=live.number,
+                binding_id=locked.binding_id,
+                status=Status.CANCELLED,
+            )
             outcome = Outcome.CANCELLED
         else:
             if locked.cancel_requested_at is not None:
@@ -370,6 +377,13 @@ def release_attempt(attempt: Attempt | uuid.UUID | str, *, by: Any = None) -> Ou
             (status,) = cursor.fetchone()
         if status is None:  # cannot happen while we hold the locks; never guess
             raise ActionRefused("NOT_RUNNING", f"Attempt {attempt_id} is not running.")
+        signals.settled(
+            run_id=locked.pk,
+            attempt_id=live.pk,
+            attempt=live.number,
+            binding_id=locked.binding_id,
+            status=status,
+        )
         if status == Status.CANCELLED:
             # The run had a cancel request: releasing it settles the cancel instead.
             log.info("attempt released into its requested cancel run=%s", locked.pk)

@@ -1,7 +1,7 @@
 """The connector interface. Connectors know nothing of runs, leases or workers.
 
 The runner hands a connector a decrypted config, a spec and a `TransferContext` (the
-fence, a progress callback, and a stop check). A reader yields batches of rows; a writer
+fence, progress callbacks, and a stop check). A reader yields batches of rows; a writer
 takes them and commits once at the end.
 """
 
@@ -84,6 +84,11 @@ class TransferContext(Protocol):
 
     def progress(self, *, rows_read: int = 0, rows_written: int = 0) -> None:
         """Add to the counters; raises `Stopped` when the transfer must stop."""
+
+    def estimate(self, rows: int) -> None:
+        """Report how many rows the read is expected to yield (an estimate or an exact
+        count), once, before the first row: the total that progress is shown against.
+        A source that cannot tell does not call it."""
 
     def should_stop(self) -> bool: ...
 

@@ -90,6 +90,7 @@ class _GenerateReader:
         batch_size = int(self.spec.get("batch", 1000))
         delay = int(self.spec.get("delay_ms", 0)) / 1000
         fail_after = self.spec.get("fail_after")
+        self.ctx.estimate(int(self.spec.get("rows", 0)))  # exact: the spec says how many
         batch: Batch = []
         produced = 0
         for row in self.connector.rows(self.spec):

@@ -78,6 +78,7 @@ from dispatch.models import (
     Run,
     Worker,
 )
+from dispatch.progress import Progress
 from dispatch.security import crypto, jsondepth
 from dispatch.states import LIVE_STATUSES, RETRYABLE_RUN_STATUSES, BlockedReason, Status, Trigger
 
@@ -951,6 +952,7 @@ class RunAdmin(HistoryAdmin):
                 latest_blocked=_latest_attempt("blocked_reason"),
                 latest_read=_latest_attempt("rows_read"),
                 latest_written=_latest_attempt("rows_written"),
+                latest_estimated=_latest_attempt("rows_estimated"),
                 latest_status=_latest_attempt("status"),
             )
         )
@@ -1038,9 +1040,18 @@ class RunAdmin(HistoryAdmin):
             f"took {took}" if obj.finished_at is not None else f"{took} so far",
         )
 
-    @admin.display(description="rows written / read")
+    @admin.display(description="rows")
     def progress(self, obj: Run) -> SafeString:
-        return progress_bar(getattr(obj, "latest_read", 0), getattr(obj, "latest_written", 0))
+        # The list's annotations: rows and the estimate of the latest attempt (its rate
+        # and time left are on the run's page).
+        return progress_bar(
+            Progress(
+                status=getattr(obj, "latest_status", None) or "",
+                rows_read=getattr(obj, "latest_read", 0) or 0,
+                rows_written=getattr(obj, "latest_written", 0) or 0,
+                rows_estimated=getattr(obj, "latest_estimated", None),
+            )
+        )
 
     @admin.display(description="binding")
     def binding_link(self, obj: Run) -> SafeString:
@@ -1108,7 +1119,7 @@ class AttemptAdmin(HistoryAdmin):
                     "reason_badge",
                     "error",
                     "blocked",
-                    "progress",
+                    "progress_detail",
                 ]
             },
         ),
@@ -1175,9 +1186,13 @@ class AttemptAdmin(HistoryAdmin):
     def blocked(self, obj: Attempt) -> SafeString:
         return blocked_badge(obj.blocked_reason if obj.status == Status.PENDING else None)
 
-    @admin.display(description="rows written / read")
+    @admin.display(description="progress")
     def progress(self, obj: Attempt) -> SafeString:
-        return progress_bar(obj.rows_read, obj.rows_written)
+        return progress_bar(Progress.of(obj))
+
+    @admin.display(description="progress")
+    def progress_detail(self, obj: Attempt) -> SafeString:
+        return progress_bar(Progress.of(obj), detail=True)
 
     @admin.display(description="run")
     def run_link(self, obj: Attempt) -> SafeString:

@@ -7,9 +7,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from django.utils.html import format_html
-from django.utils.safestring import SafeString
+from django.utils.safestring import SafeString, mark_safe
 
 from dispatch import services
+from dispatch.progress import Progress, rate_text, seconds_text
 from dispatch.states import (
     TERMINAL_RUN_STATUSES,
     BlockedReason,
@@ -138,32 +139,35 @@ def blocked_badge(blocked: str | None) -> SafeString:
     )
 
 
-def progress_bar(rows_read: int | None, rows_written: int | None) -> SafeString:
-    """Rows written against rows read (the total is unknown until a source ends)."""
-    read = rows_read or 0
-    written = rows_written or 0
-    pct = 100 if read == 0 and written == 0 else min(100, round(100 * written / max(read, 1)))
-    return format_html(
-        '<span class="dsp-progress" title="{} read, {} written">'
-        '<progress max="100" value="{}"></progress> {} / {}</span>',
-        f"{read:,}",
-        f"{written:,}",
-        pct if read or written else 0,
-        f"{written:,}",
-        f"{read:,}",
+def progress_bar(p: Progress, *, detail: bool = False) -> SafeString:
+    """Rows read against the source's estimate (while running, or where a failed attempt
+    stopped), or all of them once it succeeded; without an estimate the bar is
+    indeterminate while running. `detail` adds rows written, the rate and the time left."""
+    if not p.started:
+        return format_html("{}", "—")
+    fraction, total = p.fraction, p.total
+    if fraction is None:
+        # No value: an indeterminate bar (the total is unknown), or none once finished.
+        bar = mark_safe("<progress></progress>" if p.running else "")  # a constant
+    else:
+        bar = format_html('<progress max="100" value="{}"></progress>', round(100 * fraction))
+    if total is None or p.succeeded:
+        count = f"{p.rows_read:,} rows"
+    else:
+        count = f"{p.rows_read:,} of ~{total:,} rows ({100 * (fraction or 0):.0f} %)"
+    title = f"{p.rows_read:,} read, {p.rows_written:,} written" + (
+        f", {p.rows_estimated:,} estimated" if p.rows_estimated is not None else ""
     )
+    html = format_html('<span class="dsp-progress" title="{}">{} {}</span>', title, bar, count)
+    if not detail:
+        return html
+    parts = [f"{p.rows_written:,} written"]
+    if p.rate is not None:
+        parts.append(rate_text(p.rate))
+    if p.eta_seconds is not None:
+        parts.append(f"about {seconds_text(p.eta_seconds)} left")
+    return format_html('{} <span class="dsp-progress-detail">· {}</span>', html, " · ".join(parts))
 
 
-def duration_text(seconds: float | None) -> str:
-    if seconds is None:
-        return "—"
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes} min {secs:02d} s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 48:
-        return f"{hours} h {minutes:02d} min"
-    return f"{hours // 24} d {hours % 24} h"
+# One way of writing a duration in the console, the commands and the API.
+duration_text = seconds_text

@@ -515,6 +515,11 @@ class Attempt(models.Model):
     error = models.TextField(blank=True, default="")
     rows_read = models.BigIntegerField(default=0)
     rows_written = models.BigIntegerField(default=0)
+    # How many rows the source expects to read (the planner's estimate, or an exact count
+    # where that is cheap), recorded right after the first heartbeat of the read: the
+    # progress bar's total, and with rows_read and the claim and heartbeat times (database
+    # time) its rate and time left. Null: no estimate (none given, or the run ended first).
+    rows_estimated = models.BigIntegerField(null=True, blank=True, editable=False)
     # An incremental read (dispatch/connectors/incremental.py): the cursor the attempt
     # started from (the sink's committed one, else the spec's start; null: the whole
     # source) and the one it commits with its rows (the highest in its snapshot).

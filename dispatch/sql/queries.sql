@@ -113,6 +113,17 @@ UPDATE dispatch_attempt
    SET cursor_from = %(cursor_from)s::jsonb, cursor_to = %(cursor_to)s::jsonb
  WHERE id = %(attempt)s AND lease_token = %(token)s AND status = 'RUNNING';
 
+-- name: record_estimates
+-- The rows each of a worker's attempts expects to read (its source's estimate: progress
+-- only, nothing decides on it), written once per attempt by the heartbeat thread after a
+-- heartbeat, in a statement of its own (claims.record_estimates says why not inside the
+-- heartbeat's transaction). Locks only attempt rows; guarded by status and token.
+UPDATE dispatch_attempt a SET rows_estimated = e.rows
+  FROM unnest(%(attempts)s::uuid[], %(tokens)s::bigint[], %(rows)s::bigint[])
+       AS e(id, token, rows)
+ WHERE a.id = e.id AND a.lease_token = e.token AND a.status = 'RUNNING'
+RETURNING a.id;
+
 -- name: record_cursor_copy
 -- The console's copy of a binding's committed cursor, moved only forward (by the sink's
 -- version): a late writer with an older version changes nothing.

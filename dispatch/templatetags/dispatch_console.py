@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django import template
 from django.utils.safestring import SafeString
 
 from dispatch.console import badges
+from dispatch.progress import Progress
 
 register = template.Library()
 
@@ -36,5 +39,6 @@ def origin_label(origin: str) -> str:
 
 
 @register.simple_tag
-def progress(rows_read: int, rows_written: int) -> SafeString:
-    return badges.progress_bar(rows_read, rows_written)
+def progress(attempt: Any, detail: bool = False) -> SafeString:
+    """An attempt's progress bar (`detail`: with rows written, rate and time left)."""
+    return badges.progress_bar(Progress.of(attempt), detail=detail)

@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 
-from dispatch import services
+from dispatch import services, signals
 from dispatch.states import Reason
 from dispatch.worker import claims, listen
 from dispatch.worker.base import STALE_HEARTBEATS, CoordinatorBase, Execution, TickReport
@@ -42,12 +42,20 @@ class SlotRefill:
             if not c._start(attempt, unless_stopping=True):
                 # The worker began to stop while this settlement claimed: hand the
                 # attempt back at once (a release costs no retry budget).
-                if claims.settle(
+                status = claims.settle(
                     attempt.attempt_id,
                     attempt.lease_token,
                     "RELEASE",
                     reason=Reason.SHUTDOWN_RELEASED,
-                ):
+                )
+                if status:
+                    signals.settled(
+                        run_id=attempt.run_id,
+                        attempt_id=attempt.attempt_id,
+                        attempt=attempt.number,
+                        binding_id=attempt.binding_id,
+                        status=status,
+                    )
                     services.notify(attempt.run_id)
                 continue
             c._count("claims_generic")

@@ -16,7 +16,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from django.db import DatabaseError, connection, transaction
 
-from dispatch import deadline
+from dispatch import deadline, signals
 from dispatch.db import storable
 from dispatch.sqlfiles import query
 from dispatch.worker.log import db_error
@@ -257,6 +257,28 @@ def heartbeat_and_peers(
 
 
 @_bounded
+def record_estimates(estimates: Sequence[tuple[uuid.UUID, int, int]]) -> set[uuid.UUID]:
+    """Store the rows each (attempt, token, rows) expects to read, status + token guarded;
+    returns the attempts written (the others are no longer ours).
+
+    A statement of its own, after the heartbeat's transaction, never inside it: a second
+    update of a row the transaction has already updated makes PostgreSQL check the row's
+    foreign key again at commit (a deferred constraint), which locks the attempt's run
+    (FOR KEY SHARE) at the end of a transaction that holds the attempt: the run -> attempt
+    order reversed, and a wait behind whoever holds the run (a settlement, a cancel)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            query("record_estimates"),
+            {
+                "attempts": [e[0] for e in estimates],
+                "tokens": [e[1] for e in estimates],
+                "rows": [e[2] for e in estimates],
+            },
+        )
+        return {row[0] for row in cursor.fetchall()}
+
+
+@_bounded
 def claimable(run_id: uuid.UUID) -> bool:
     """Whether the run has a due, unblocked PENDING attempt now (a read, no lock)."""
     with connection.cursor() as cursor:
@@ -281,6 +303,10 @@ def recover(limit: int = 500, *, refresh: bool = False) -> list[Recovered]:
             with connection.cursor() as cursor:
                 cursor.execute(query("recover"), {"limit": limit, "skip": failed})
                 batch = [Recovered(*row) for row in cursor.fetchall()]
+            # Sent once this batch commits, by whichever process ran the pass.
+            signals.settled_many(
+                [(r.attempt_id, r.run_id, r.number, r.outcome) for r in batch if r.outcome]
+            )
             if refresh and len(batch) < limit:
                 try:
                     with transaction.atomic():

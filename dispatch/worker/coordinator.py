@@ -37,7 +37,7 @@ import psycopg
 from django.db import ProgrammingError as DjangoProgrammingError
 from django.db import connection
 
-from dispatch import conf, deadline, services
+from dispatch import conf, deadline, services, signals
 from dispatch.db import DB_ERRORS, loggable
 from dispatch.sqlfiles import query
 from dispatch.states import Reason, Status
@@ -294,6 +294,13 @@ class WorkerDispatchCoordinator(Admission, Heartbeat, ListenHandover):
                 )
                 continue
             if status is not None:
+                signals.settled(
+                    run_id=c.run_id,
+                    attempt_id=c.attempt_id,
+                    attempt=c.number,
+                    binding_id=c.binding_id,
+                    status=status,
+                )
                 self._count("released")
                 log.info(
                     "attempt released at shutdown run=%s attempt=%s worker=%s token=%s",
@@ -355,6 +362,14 @@ class WorkerDispatchCoordinator(Admission, Heartbeat, ListenHandover):
     # --- threads ----------------------------------------------------------------------------
     def _executor_loop(self) -> None:
         deadline.set_thread_limit(self.coordination_timeout)
+        try:
+            self._execute_queued()
+        finally:
+            # A coordinator run inside a longer-lived process (a test, a host's own
+            # runner) leaves no connection of an ended thread behind.
+            self._reset_connection()
+
+    def _execute_queued(self) -> None:
         while True:
             execution = self._queue.get()
             if execution is None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 from dispatch import deadline
 from dispatch.db import DB_ERRORS
 from dispatch.worker import claims
-from dispatch.worker.base import STALE_HEARTBEATS, CoordinatorBase
+from dispatch.worker.base import STALE_HEARTBEATS, CoordinatorBase, Execution
 from dispatch.worker.log import db_error
 from dispatch.worker.runner import StopCause
 
@@ -63,6 +64,31 @@ class Heartbeat(CoordinatorBase):
             e.control.heartbeat_ok(beat.lease_seconds, sent_at)
             if beat.cancel_requested:
                 e.control.stop(StopCause.CANCEL)
+        self._record_estimates([e for e in held if e.claimed.attempt_id in beats])
+
+    def _record_estimates(self, held: list[Execution]) -> None:
+        """The row estimates of reads that began since the last heartbeat, once per
+        attempt: one short statement, only when there is one to write (a run that ends
+        before its first heartbeat writes none, and costs no transaction more). Progress
+        only: a failure is logged and tried again at the next heartbeat."""
+        pending: list[tuple[uuid.UUID, int, int]] = []
+        for e in held:
+            rows = e.control.rows_estimated
+            if rows is not None and not e.control.estimate_recorded:
+                pending.append((e.claimed.attempt_id, e.claimed.lease_token, rows))
+        if not pending:
+            return
+        try:
+            recorded = claims.record_estimates(pending)
+        except DB_ERRORS as exc:
+            self._reset_connection()
+            log.warning(
+                "row estimates not recorded worker=%s error=%s", self.worker_id, db_error(exc)
+            )
+            return
+        for e in held:
+            if e.claimed.attempt_id in recorded:
+                e.control.estimate_recorded = True
 
     def _heartbeat_interval(self) -> float:
         with self._lock:
@@ -124,6 +150,12 @@ class Heartbeat(CoordinatorBase):
             self._stop_threads.wait(wait)
 
     def _heartbeat_loop(self) -> None:
+        try:
+            self._heartbeats()
+        finally:
+            self._reset_connection()  # an ended thread leaves no connection behind
+
+    def _heartbeats(self) -> None:
         # The first heartbeat at once: its look at the queue times the first recovery
         # pass and the timer, and lets polling stop, without waiting an idle period.
         next_beat = time.monotonic()

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from django.db import Error as DjangoDBError
 from django.db import connection
 
-from dispatch import deadline, services
+from dispatch import deadline, services, signals
 from dispatch.connectors import incremental, registry
 from dispatch.connectors.base import (
     ConnectorError,
@@ -59,6 +59,9 @@ class ExecutionControl:
         self.deadline = self.started + claimed.timeout_seconds if claimed.timeout_seconds else None
         self.rows_read = 0
         self.rows_written = 0
+        # The source's estimate of its rows, and whether a heartbeat has recorded it.
+        self.rows_estimated: int | None = None
+        self.estimate_recorded = False
         self.cause: StopCause | None = None
         self._event = threading.Event()
         # Called (from whichever thread stops the execution) to interrupt what the
@@ -207,6 +210,13 @@ class Context:
         if self.control.should_stop():
             raise Stopped(self.control.cause.value if self.control.cause else "stop")
 
+    def estimate(self, rows: int) -> None:
+        """Keep the source's estimate; the next heartbeat records it on the attempt, in
+        its own transaction, with the first rows read."""
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            return  # a connector's mistake: no total is better than a wrong one
+        self.control.rows_estimated = rows
+
     def should_stop(self) -> bool:
         return self.control.should_stop()
 
@@ -271,6 +281,7 @@ class Runner:
         self.control = control
         self.on_event = on_event
         self.refill = refill
+        self.worker_id = refill.worker_id if refill is not None else ""
         # Whether the settlement also claimed this slot's next attempt (or found none).
         self.refilled = False
         self.secrets: list[str] = []
@@ -346,7 +357,25 @@ class Runner:
             )
         else:
             self.on_event(f"settled_{status.lower()}")
-            self._log("attempt settled status=%s reason=%s", status, reason)
+            # The error as the attempt stored it (secrets and URL credentials masked,
+            # control characters escaped), on one line.
+            self._log(
+                "attempt settled status=%s reason=%s rows_read=%d rows_written=%d duration=%.3fs%s",
+                status,
+                reason,
+                self.control.rows_read,
+                self.control.rows_written,
+                time.monotonic() - self.control.started,
+                f" error={one_line(clean_error)}" if clean_error else "",
+            )
+            c = self.claimed
+            signals.settled(
+                run_id=c.run_id,
+                attempt_id=c.attempt_id,
+                attempt=c.number,
+                binding_id=c.binding_id,
+                status=status,
+            )
             if status == Status.RETRY_SCHEDULED:
                 # A successor waits for its backoff: wake the fleet, so that whichever
                 # worker ranks first learns its due time (a directed claim that finds it
@@ -356,6 +385,13 @@ class Runner:
 
     def execute(self) -> str | None:
         c = self.claimed
+        signals.started(
+            run_id=c.run_id,
+            attempt_id=c.attempt_id,
+            attempt=c.number,
+            binding_id=c.binding_id,
+            worker_id=self.worker_id,
+        )
         try:
             source_config = crypto.decrypt_config(
                 c.source_snapshot, expected_id=c.source_id, expected_version=c.source_version
@@ -432,10 +468,12 @@ class Runner:
             return self.settle(outcome, reason, str(exc))
         except Exception as exc:  # noqa: BLE001 - any failure of a connector is the attempt's
             # Not a ConnectorError: a fault of a connector (or of this code). The attempt
-            # records it; the worker log keeps where it was raised.
+            # records it; the worker log keeps its message, sanitized as the attempt's
+            # error is (secrets masked), and where it was raised.
             log.warning(
-                "attempt error %s run=%s attempt=%s token=%s\n%s",
+                "attempt error %s: %s run=%s attempt=%s token=%s\n%s",
                 type(exc).__name__,
+                one_line(sanitize(str(exc), self.secrets)),
                 c.run_id,
                 c.number,
                 c.lease_token,

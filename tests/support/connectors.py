@@ -3,6 +3,7 @@ transfer context, and a transfer driven the way the runner drives it."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -12,7 +13,18 @@ import psycopg
 from django.db import connection
 
 from dispatch.connectors import incremental
-from dispatch.connectors.base import Column, LeaseLost, Stopped, WriteResult
+from dispatch.connectors.base import (
+    Column,
+    Connector,
+    LeaseLost,
+    PermanentError,
+    SimpleReader,
+    Stopped,
+    TransferContext,
+    WriteResult,
+    check_unknown,
+    require_object,
+)
 from dispatch.worker.runner import Runner
 
 
@@ -116,12 +128,16 @@ class Ctx:
     rows_written: int = 0
     stop: bool = False
     interrupts: list[Callable[[], None]] = field(default_factory=list)
+    estimates: list[int] = field(default_factory=list)
 
     def progress(self, *, rows_read: int = 0, rows_written: int = 0) -> None:
         self.rows_read += rows_read
         self.rows_written += rows_written
         if self.stop:
             raise Stopped("stop")
+
+    def estimate(self, rows: int) -> None:
+        self.estimates.append(rows)
 
     def should_stop(self) -> bool:
         return self.stop
@@ -162,3 +178,32 @@ def run_transfer(
             else:
                 Runner._transfer(ctx, reader, writer)  # type: ignore[arg-type]
             return writer.commit()
+
+
+class FailingSource(Connector):
+    """A source (kind `test_failing`, for worker subprocesses: DISPATCH_CONNECTORS=
+    tests.support.connectors.FailingSource) that reads `rows` rows of the `expect` it
+    announces, waits `wait` seconds, then fails for good with `error` (which may span
+    lines)."""
+
+    kind = "test_failing"
+    roles = frozenset({"source"})
+
+    @classmethod
+    def validate_source_spec(cls, spec: dict[str, Any]) -> dict[str, Any]:
+        spec = require_object(spec, "source_spec")
+        check_unknown(spec, {"rows", "expect", "wait", "error"})
+        return spec
+
+    @classmethod
+    @contextlib.contextmanager
+    def open_reader(
+        cls, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext
+    ) -> Iterator[Any]:
+        def batches() -> Iterator[list[Any]]:
+            ctx.estimate(int(spec.get("expect", 0)))
+            yield [(i,) for i in range(int(spec.get("rows", 0)))]
+            ctx.wait(float(spec.get("wait", 0)))
+            raise PermanentError(str(spec.get("error", "failed")))
+
+        yield SimpleReader([Column("n", "integer")], batches())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import select
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +28,11 @@ BATCH_ROWS = 5000
 # The COPY fast path hands the sink blocks of about this size: large enough that the
 # per-block Python work vanishes, small enough that memory stays flat.
 COPY_BLOCK_BYTES = 1 << 20
+# A whole table the planner puts below this many rows is counted exactly before it is
+# read (in the read's own snapshot, so the count is the rows the read yields): a scan of
+# at most about this many rows, cheap beside the copy. Larger tables and queries keep the
+# planner's estimate (a query would run twice to be counted).
+EXACT_COUNT_BELOW = 100_000
 
 
 def _check_least_privilege(conn: psycopg.Connection[Any]) -> None:
@@ -62,6 +68,7 @@ class _Reader:
         self.spec = spec
         self.secrets = _secrets(config)
         self.conn: psycopg.Connection[Any] | None = None
+        self._ctx = ctx
         self._canceller = _Canceller(ctx, config, "source")
         self.columns: list[Column] = []
         self.oids: list[int] = []
@@ -144,14 +151,43 @@ class _Reader:
             conn, self.conn = self.conn, None
             self._canceller.close(conn)
 
-    def _copy_sql(self, fmt: str, options: dict[str, str] | None = None) -> sql.Composed:
+    def _read_relation(self) -> sql.Composable:
+        """What the read copies: the table or query, or an incremental read's bounded
+        select of it."""
         if self._plan is not None and self.bounds is None:
             raise PermanentError("incremental read started without its cursor bounds")
-        relation = (
-            self._plan.select(self.bounds)
-            if self._plan is not None and self.bounds is not None
-            else self._relation()
-        )
+        if self._plan is not None and self.bounds is not None:
+            return self._plan.select(self.bounds)
+        return self._relation()
+
+    def _report_estimate(self) -> None:
+        """Tell the context how many rows the read will yield, before the first: the
+        planner's estimate of the relation it copies (EXPLAIN plans, it runs nothing), or,
+        for a whole table the planner puts under EXACT_COUNT_BELOW rows, an exact count
+        in this read's snapshot. Both run in the read's transaction, so an error here is
+        the read's error (the copy that follows would fail the same way)."""
+        if self._ctx is None:
+            return
+        assert self.conn is not None
+        relation = self._read_relation()
+        with _errors(self.secrets, "source read", self._canceller):
+            row = self.conn.execute(sql.SQL("EXPLAIN (FORMAT JSON) {}").format(relation)).fetchone()
+            plan = row[0] if row else None
+            if isinstance(plan, str):  # a server or adapter that returns the JSON as text
+                plan = json.loads(plan)
+            try:
+                rows = int(plan[0]["Plan"]["Plan Rows"])  # type: ignore[index]
+            except (TypeError, KeyError, IndexError, ValueError):
+                return  # an answer of another shape: no estimate rather than a wrong one
+            if self.spec.get("table") and self._plan is None and rows < EXACT_COUNT_BELOW:
+                counted = self.conn.execute(
+                    sql.SQL("SELECT pg_catalog.count(*) FROM ({}) AS q").format(relation)
+                ).fetchone()
+                rows = int(counted[0]) if counted else rows
+        self._ctx.estimate(max(0, rows))
+
+    def _copy_sql(self, fmt: str, options: dict[str, str] | None = None) -> sql.Composed:
+        relation = self._read_relation()
         if fmt == "csv":
             # PostgreSQL's own CSV text of every value (intervals, json as written,
             # ranges, infinity, BC dates, 24:00), in UTF-8 whatever the client encoding.
@@ -172,6 +208,7 @@ class _Reader:
     def batches(self) -> Iterator[Batch]:
         """Decoded rows, streamed. Binary when psycopg can load every column in binary."""
         assert self.conn is not None
+        self._report_estimate()
         binary = all(
             self.conn.adapters.get_loader(oid, pq.Format.BINARY) is not None for oid in self.oids
         )
@@ -202,6 +239,7 @@ class _Reader:
         trailer (and only it) is not counted.
         """
         assert self.conn is not None
+        self._report_estimate()
         conn, pgconn = self.conn, self.conn.pgconn
         with _errors(self.secrets, "source read", self._canceller):
             # Sent on the connection whose transaction (and snapshot) open() began; psycopg

@@ -1,15 +1,17 @@
 from __future__ import annotations
 
+import sys
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, TextIO
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from dispatch import conf, services
+from dispatch import api, conf, services
 from dispatch.management.commands._common import binding_from_arg
-from dispatch.models import Run, Worker
-from dispatch.states import TERMINAL_RUN_STATUSES, Status, Trigger
+from dispatch.management.progress import WaitDisplay, summary_lines
+from dispatch.models import Worker
+from dispatch.states import Status, Trigger
 
 
 class Command(BaseCommand):
@@ -20,7 +22,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--wait",
             action="store_true",
-            help="wait for the run to finish; exit 0 only if it SUCCEEDED",
+            help="wait for the run to finish, showing its progress; then print its status, "
+            "reason, error, rows and duration; exit 0 only if it SUCCEEDED",
         )
         parser.add_argument(
             "--timeout",
@@ -32,6 +35,8 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         binding = binding_from_arg(options["binding"])
+        if options["timeout"] is not None and options["timeout"] < 0:
+            raise CommandError("--timeout must be at least 0 seconds.")
         run = services.trigger(
             binding,
             trigger=Trigger.MANUAL,
@@ -41,32 +46,49 @@ class Command(BaseCommand):
         self.stdout.write(str(run.id))
         if not options["wait"]:
             return
-        deadline = None if options["timeout"] is None else time.monotonic() + options["timeout"]
-        next_worker_check = 0.0
-        warned = False
-        while True:
-            status = Run.objects.values_list("status", flat=True).get(pk=run.pk)
-            if status in TERMINAL_RUN_STATUSES:
-                break
-            if status == Status.PENDING and time.monotonic() >= next_worker_check:
-                next_worker_check = time.monotonic() + conf.idle_heartbeat_seconds()
-                live = live_workers()
-                if not live and not warned:
-                    self.stderr.write(
-                        f"No live worker: no `runworker` has heartbeated in the last "
-                        f"{live_worker_seconds():.0f} s. Run {run.id} waits until one starts "
-                        "(manage.py runworker)."
-                    )
-                    warned = True
-                elif live and warned:
-                    self.stderr.write(f"A worker is live again ({live} in all).")
-                    warned = False
-            if deadline is not None and time.monotonic() > deadline:
-                raise CommandError(f"Run {run.id} is still {status} after {options['timeout']}s.")
-            time.sleep(0.2)
-        if status != Status.SUCCEEDED:
-            raise CommandError(f"Run {run.id} finished {status}.")
-        self.stderr.write(f"Run {run.id} SUCCEEDED.")
+        # The run id went to stdout (for scripts); what follows goes to stderr, written to
+        # the stream itself: rich draws on it, and Django's wrapper would colour every
+        # line (a success too) as an error.
+        err: TextIO = options.get("stderr") or sys.stderr
+        display = WaitDisplay(err, tty=err.isatty())
+        self._next_worker_check = 0.0
+        self._warned = False
+
+        def on_progress(current: api.RunResult) -> None:
+            self._check_workers(current, display)
+            display.update(current)
+
+        try:
+            result = api.wait(run.id, timeout=options["timeout"], on_progress=on_progress)
+        except api.WaitTimeout as exc:
+            raise CommandError(
+                f"Run {run.id} is still {exc.result.status} after {options['timeout']}s."
+            ) from None
+        except api.NotFound:  # retention cannot prune a live run; an operator's delete can
+            raise CommandError(f"Run {run.id} no longer exists.") from None
+        finally:
+            display.close()
+        err.write("".join(f"{line}\n" for line in summary_lines(result)))
+        err.flush()
+        if not result.succeeded:
+            raise CommandError(f"Run {run.id} finished {result.status}.")
+
+    def _check_workers(self, current: api.RunResult, display: WaitDisplay) -> None:
+        """Say so when the run waits and no worker is live (and when one is again)."""
+        if current.status != Status.PENDING or time.monotonic() < self._next_worker_check:
+            return
+        self._next_worker_check = time.monotonic() + conf.idle_heartbeat_seconds()
+        live = live_workers()
+        if not live and not self._warned:
+            display.note(
+                f"No live worker: no `runworker` has heartbeated in the last "
+                f"{live_worker_seconds():.0f} s. Run {current.run_id} waits until one starts "
+                "(manage.py runworker)."
+            )
+            self._warned = True
+        elif live and self._warned:
+            display.note(f"A worker is live again ({live} in all).")
+            self._warned = False
 
 
 def live_worker_seconds() -> float:
