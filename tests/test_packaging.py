@@ -373,14 +373,54 @@ print("HEALTHZ", Client().get("/dispatch/healthz").status_code)
 """
 
 
+def _newer_pythons() -> list[str]:
+    """Python 3.12+ interpreters on PATH other than this one: Django 6.x needs 3.12, so a
+    machine that has one also runs the README's site on the newest Django pip picks."""
+    found = []
+    for name in ("python3.14", "python3.13", "python3.12"):
+        path = shutil.which(name)
+        if path and os.path.realpath(path) != os.path.realpath(sys.executable):
+            found.append(path)
+    return found[:1]
+
+
+@pytest.fixture(params=["this-python", *_newer_pythons()])
+def readme_venv(
+    request: pytest.FixtureRequest,
+    venv: Path,
+    wheel: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Path:
+    """The session's virtualenv (this Python, the newest Django it can run), or one of a
+    Python 3.12+ found on PATH (Django 6.x)."""
+    if request.param == "this-python":
+        return venv
+    home = tmp_path_factory.mktemp("venv-newer") / "env"
+    run([request.param, "-m", "venv", str(home)], cwd=home.parent, env=clean_env())
+    run(
+        [str(home / "bin" / "python"), "-m", "pip", "install", "-q", str(wheel), "psycopg[binary]"],
+        cwd=home.parent,
+        env=clean_env(),
+        timeout=300,
+    )
+    django = run(
+        [str(home / "bin" / "python"), "-c", "import django; print(django.VERSION[0])"],
+        cwd=home.parent,
+        env=clean_env(),
+    ).stdout.strip()
+    assert int(django) >= 6, f"{request.param} installed Django {django}, not 6.x"
+    return home
+
+
 @pytest.mark.django_db
 def test_the_readme_install_section__as_written__makes_a_site_whose_schedules_fire(
-    venv: Path, tmp_path: Path, host_database: dict[str, str]
+    readme_venv: Path, tmp_path: Path, host_database: dict[str, str]
 ):
     """The README's install section, literally: its key command, its settings and urls
     snippets, `migrate`, then one `runworker` with no flags, and a `* * * * *` schedule
-    fires (the worker runs the reconciler by default)."""
-    bindir = venv / "bin"
+    fires (the worker runs the reconciler by default). On this Python, and on a Python
+    3.12+ with Django 6.x where the machine has one."""
+    bindir = readme_venv / "bin"
     python = str(bindir / "python")
     site = tmp_path / "site"
     site.mkdir()
