@@ -3,11 +3,14 @@ apply` through the same function `make run` calls (project/dev.py), into the tes
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import psycopg
 import pytest
+import yaml
 from django.db import connection
 from psycopg import sql
 
@@ -109,3 +112,10 @@ def test_demo_csv_dir__only_where_the_site_allows_it(
 def test_demo_url__the_site_server_and_role_with_another_database() -> None:
     url = dev.demo_url("postgres://loader:p%40ss@db.local:6543/site?sslmode=require", "demo x")
     assert url == "postgresql://loader:p%40ss@db.local:6543/demo%20x"
+
+
+@pytest.mark.parametrize("name", ["pipelines.yaml", "csv.yaml"])
+def test_demo_files__valid_by_the_published_schema(name: str) -> None:
+    schema = json.loads((dev.ROOT / "docs" / "as-code.schema.json").read_text())
+    data = yaml.safe_load((dev.DEMO_DIR / name).read_text())
+    jsonschema.Draft202012Validator(schema).validate(data)
