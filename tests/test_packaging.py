@@ -130,7 +130,7 @@ def test_wheel__holds_every_file_the_apps_need_and_nothing_of_the_repository(whe
     assert "License-Expression: MIT" in text
     assert "Requires-Dist: django-environ" in text and 'extra == "site"' in text
     # Demo and test commands belong to the repository's site only.
-    for command in ("seed_demo", "seed_demo_schedules", "chaos"):
+    for command in ("seed_demo", "chaos"):
         assert not [n for n in names if n.endswith(f"/commands/{command}.py")], command
 
 

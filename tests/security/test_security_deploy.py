@@ -79,5 +79,8 @@ def test_make_run__the_demo_password_goes_by_file_not_on_the_command_line(
     assert len(path.read_text()) >= 12 and path.stat().st_mode & 0o077 == 0
     assert dev.demo_password_file().read_text() == path.read_text()  # generated once
     run = inspect.getsource(dev.cmd_run)
-    assert '"--admin-password-file", str(demo_password_file())' in run
-    assert '--admin-password"' not in run and "read_text" not in run
+    assert "password_file=demo_password_file()" in run
+    seed = inspect.getsource(dev.seed_demo)
+    assert '"--admin-password-file",\n        str(password_file),' in seed
+    for source in (run, seed):
+        assert '--admin-password"' not in source and "read_text" not in source

@@ -7,29 +7,21 @@ from typing import Any
 import psycopg
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
-from django.db import connection, transaction
+from django.db import connection
 from psycopg import sql
 
 from dispatch.connectors.csv import check_base_dir
-from dispatch.models import Datasource, Job, JobBinding
 
 DEMO_SOURCE_DB = "dispatch_demo_source"
 DEMO_SINK_DB = "dispatch_demo_sink"
 
 
-def _datasource(name: str, kind: str, config: dict[str, Any]) -> tuple[Datasource, bool]:
-    """get_or_create by name (config is a property stored encrypted, not a field)."""
-    existing = Datasource.objects.filter(name=name).first()
-    if existing is not None:
-        return existing, False
-    datasource = Datasource(name=name, kind=kind)
-    datasource.config = config
-    datasource.save()
-    return datasource, True
-
-
 class Command(BaseCommand):
-    help = "Create a demo (datasources, jobs, bindings) and an admin login; idempotent."
+    help = (
+        "Create the demo's data (the PostgreSQL source and sink databases, the CSV file) and "
+        "an admin login; idempotent. The demo's definitions are project/demo/*.yaml, applied "
+        "with `manage.py dispatch apply`."
+    )
 
     def add_arguments(self, parser: Any) -> None:
         # A file, never the password itself: a command line is visible to every local
@@ -44,32 +36,33 @@ class Command(BaseCommand):
             "--csv-dir",
             default=None,
             help="the CSV demo's directory, inside DISPATCH_CSV_BASE_DIRS (created; "
-            "default: no CSV demo)",
+            "default: no CSV file)",
+        )
+        parser.add_argument(
+            "--source-db",
+            default=DEMO_SOURCE_DB,
+            help=f"the database made for the 100k-row orders table (default {DEMO_SOURCE_DB}), "
+            "on the site's server",
+        )
+        parser.add_argument(
+            "--sink-db",
+            default=DEMO_SINK_DB,
+            help=f"the database the demo's copies go to (default {DEMO_SINK_DB})",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        with transaction.atomic():
-            generate, _ = _datasource("demo-generator", "generate", {})
-            discard, _ = _datasource("demo-discard", "null", {})
-            job, _ = Job.objects.get_or_create(
-                name="demo-generate-100k",
-                defaults={
-                    "source_spec": {"rows": 100_000, "batch": 5000, "delay_ms": 50, "seed": 1},
-                    "sink_spec": {},
-                    "description": "100,000 generated rows, discarded.",
-                },
-            )
-            JobBinding.objects.get_or_create(
-                name="demo-generate-to-null",
-                defaults={"job": job, "source": generate, "sink": discard},
-            )
-        self._seed_connector_demos(options["csv_dir"])
+        self._seed_databases(options["source_db"], options["sink_db"])
+        if options["csv_dir"] is not None:
+            self._seed_csv_file(Path(options["csv_dir"]).absolute())
+        self._seed_login(options["admin_password_file"])
+
+    def _seed_login(self, password_file: str | None) -> None:
         user_model = get_user_model()
         user = user_model.objects.filter(username="admin").first()
         password = None
-        if options["admin_password_file"]:
+        if password_file:
             try:
-                with open(options["admin_password_file"], encoding="utf-8") as f:
+                with open(password_file, encoding="utf-8") as f:
                     password = f.read().strip()
             except OSError as exc:
                 raise CommandError(f"cannot read --admin-password-file: {exc.strerror}") from None
@@ -86,11 +79,11 @@ class Command(BaseCommand):
         else:
             self.stdout.write("  Login:  admin (password unchanged)")
 
-    # --- PostgreSQL and CSV demos -------------------------------------------------------
-    def _seed_connector_demos(self, csv_dir: str | None) -> None:
-        """Two databases on the dispatch server (a 100k-row `orders` source and a sink), a
-        PostgreSQL -> PostgreSQL binding and, with `csv_dir`, a CSV -> PostgreSQL binding.
-        Idempotent."""
+    # --- PostgreSQL and CSV data ------------------------------------------------------
+    def _seed_databases(self, source_db: str, sink_db: str) -> None:
+        """The source and sink databases on the site's server, the source with a 100k-row
+        `orders` table. Idempotent; a server that refuses is reported, not fatal (the
+        PostgreSQL binding's runs then fail saying why)."""
         s = connection.settings_dict
         server: dict[str, Any] = {
             "host": s.get("HOST") or "127.0.0.1",
@@ -100,35 +93,15 @@ class Command(BaseCommand):
         if s.get("PASSWORD"):
             server["password"] = s["PASSWORD"]
         try:
-            self._ensure_demo_databases(server)
+            self._ensure_demo_databases(server, source_db, sink_db)
         except psycopg.Error as exc:
-            self.stdout.write(f"  (PostgreSQL demo skipped: {type(exc).__name__})")
-            return
-        with transaction.atomic():
-            source, _ = _datasource(
-                "demo-pg-source", "postgresql", {**server, "dbname": DEMO_SOURCE_DB}
-            )
-            sink, _ = _datasource("demo-pg-sink", "postgresql", {**server, "dbname": DEMO_SINK_DB})
-            pg_job, _ = Job.objects.get_or_create(
-                name="demo-orders-copy",
-                defaults={
-                    "source_spec": {"table": "public.orders"},
-                    "sink_spec": {"table": "public.orders_copy", "mode": "replace", "create": True},
-                    "description": "Copy 100,000 orders between two PostgreSQL databases.",
-                },
-            )
-            JobBinding.objects.get_or_create(
-                name="demo-orders-pg-to-pg",
-                defaults={"job": pg_job, "source": source, "sink": sink},
-            )
-        if csv_dir is not None:
-            self._seed_csv_demo(Path(csv_dir).absolute(), sink)
+            self.stdout.write(f"  (PostgreSQL demo databases not made: {type(exc).__name__})")
 
-    def _seed_csv_demo(self, csv_dir: Path, sink: Datasource) -> None:
-        """A small orders.csv in `csv_dir` and a CSV -> PostgreSQL binding reading it."""
+    def _seed_csv_file(self, csv_dir: Path) -> None:
+        """A small orders.csv in `csv_dir`, which the CSV demo's binding reads."""
         refused = check_base_dir(str(csv_dir))
         if refused:
-            self.stdout.write(f"  (CSV demo skipped: {refused})")
+            self.stdout.write(f"  (CSV demo file not written: {refused})")
             return
         csv_dir.mkdir(parents=True, exist_ok=True)
         orders_csv = csv_dir / "orders.csv"
@@ -140,38 +113,21 @@ class Command(BaseCommand):
                 '3,"Quote ""Inc""",120.50,\n',
                 encoding="utf-8",
             )
-        with transaction.atomic():
-            files, _ = _datasource("demo-csv-files", "csv", {"base_dir": str(csv_dir)})
-            if files.config != {"base_dir": str(csv_dir)}:  # made by an older demo
-                files.config = {"base_dir": str(csv_dir)}
-                files.save()
-            csv_job, _ = Job.objects.get_or_create(
-                name="demo-orders-csv-load",
-                defaults={
-                    "source_spec": {"path": "orders.csv", "null": ""},
-                    "sink_spec": {"table": "public.orders_csv", "mode": "replace", "create": True},
-                    "description": "Load a small CSV file into PostgreSQL.",
-                },
-            )
-            JobBinding.objects.get_or_create(
-                name="demo-orders-csv-to-pg",
-                defaults={"job": csv_job, "source": files, "sink": sink},
-            )
 
-    def _ensure_demo_databases(self, server: dict[str, Any]) -> None:
+    def _ensure_demo_databases(self, server: dict[str, Any], source_db: str, sink_db: str) -> None:
         dbname = connection.settings_dict.get("NAME") or "postgres"
         with psycopg.connect(**server, dbname=dbname, autocommit=True) as admin:
             existing = {
                 r[0]
                 for r in admin.execute(
                     "SELECT datname FROM pg_database WHERE datname = ANY(%s)",
-                    [[DEMO_SOURCE_DB, DEMO_SINK_DB]],
+                    [[source_db, sink_db]],
                 )
             }
-            for name in (DEMO_SOURCE_DB, DEMO_SINK_DB):
+            for name in (source_db, sink_db):
                 if name not in existing:
                     admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-        with psycopg.connect(**server, dbname=DEMO_SOURCE_DB, autocommit=True) as src:
+        with psycopg.connect(**server, dbname=source_db, autocommit=True) as src:
             if src.execute("SELECT to_regclass('public.orders')").fetchone() == (None,):
                 # Deterministic rows, generated on the server in one statement (well under
                 # a second for 100k rows).
