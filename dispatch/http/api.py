@@ -60,6 +60,13 @@ class BoundedParser(Parser):
             raise BodyRefused(
                 Problem(400, f"The body {message}.", errors=[{"field": "body", "message": message}])
             )
+        # Every body of this API is an object; ninja would read another value's
+        # attributes (none) and see an empty object.
+        if not isinstance(value, dict):
+            message = f"must be a JSON object, not {type(value).__name__}"
+            raise BodyRefused(
+                Problem(422, f"The body {message}.", errors=[{"field": "body", "message": message}])
+            )
         return value
 
 
