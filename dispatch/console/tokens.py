@@ -85,7 +85,7 @@ class ApiTokenAdmin(ConsoleAdmin):
             qs = qs.filter(user=request.user)
         return qs
 
-    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         if obj is not None:
             return [
                 "name",

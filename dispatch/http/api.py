@@ -123,18 +123,18 @@ def build() -> NinjaAPI:
 
 
 def _handlers(api: NinjaAPI) -> None:
-    def on_problem(request: HttpRequest, exc: Problem) -> HttpResponse:
+    def on_problem(request: HttpRequest, exc: Any) -> HttpResponse:
         return problems.of(exc)
 
-    def on_validation(request: HttpRequest, exc: NinjaValidationError) -> HttpResponse:
+    def on_validation(request: HttpRequest, exc: Any) -> HttpResponse:
         errors = problems.validation_errors(exc.errors)
         return problems.response(422, problems.summary(errors), errors=errors)
 
-    def on_django_validation(request: HttpRequest, exc: DjangoValidationError) -> HttpResponse:
+    def on_django_validation(request: HttpRequest, exc: Any) -> HttpResponse:
         errors = problems.django_errors(exc)
         return problems.response(422, problems.summary(errors), errors=errors)
 
-    def on_http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    def on_http_error(request: HttpRequest, exc: Any) -> HttpResponse:
         # ninja wraps what the body parser raises into a 400 "Cannot parse request body".
         if isinstance(exc.__cause__, BodyRefused):
             return problems.of(exc.__cause__.problem)
@@ -144,13 +144,13 @@ def _handlers(api: NinjaAPI) -> None:
             )
         return problems.response(exc.status_code, str(exc.message))
 
-    def on_404(request: HttpRequest, exc: Exception) -> HttpResponse:
+    def on_404(request: HttpRequest, exc: Any) -> HttpResponse:
         return problems.response(404, str(exc) or "Not found.")
 
-    def on_denied(request: HttpRequest, exc: Exception) -> HttpResponse:
+    def on_denied(request: HttpRequest, exc: Any) -> HttpResponse:
         return problems.response(403, str(exc) or "Permission denied.")
 
-    def on_too_big(request: HttpRequest, exc: Exception) -> HttpResponse:
+    def on_too_big(request: HttpRequest, exc: Any) -> HttpResponse:
         return _too_large(conf.api_max_body_bytes())
 
     api.add_exception_handler(Problem, on_problem)

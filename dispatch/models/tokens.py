@@ -15,6 +15,7 @@ import hmac
 import secrets
 import uuid
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import models
@@ -95,7 +96,7 @@ class ApiToken(models.Model):
         return hmac.compare_digest(digest(token), self.secret_hash)
 
     @classmethod
-    def issue(cls, *, name: str, user: models.Model, expires_at: datetime) -> tuple[ApiToken, str]:
+    def issue(cls, *, name: str, user: Any, expires_at: datetime) -> tuple[ApiToken, str]:
         """A new token row and the token itself (the only time it exists in clear)."""
         row = cls(name=name, user=user, expires_at=expires_at)
         token = row.new_secret()
