@@ -132,7 +132,9 @@ def cmd_run() -> int:
         csv_demo = ["--csv-dir", str(private_temp_dir("csv") / "demo")]
         manage("seed_demo", "--admin-password-file", str(demo_password_file()), *csv_demo, env=env)
         manage("seed_demo_schedules", env=env)
-        print(f"\n  Admin:  http://127.0.0.1:{port}/admin/   (see the login above)\n", flush=True)
+        print(f"\n  Admin:  http://127.0.0.1:{port}/admin/   (see the login above)", flush=True)
+        manage("demo_api_token", "--url", f"http://127.0.0.1:{port}/api/v1/", env=env)
+        print(flush=True)
         procs.append(
             subprocess.Popen(
                 [PYTHON, str(ROOT / "manage.py"), "runserver", f"127.0.0.1:{port}", "--noreload"],
