@@ -1,8 +1,9 @@
 """The `NinjaAPI` that `dispatch.urls` mounts under `api/v1/`, its body limits and its
 problem+json handlers.
 
-Routers: `bindings` and `runs` (this package). The apply and diff of definition files
-(`dispatch.ascode`) get a router of their own here, beside these two.
+Routers: `bindings` and `runs` (this package), added in `build()`. Another resource gets
+a router module of its own in this package, added there the same way (the apply and diff
+of definition files, `dispatch.ascode`, belong beside these two).
 """
 
 from __future__ import annotations
