@@ -131,6 +131,14 @@ class ApiTokenAdmin(ConsoleAdmin):
             obj._plain_token = obj.new_secret()  # type: ignore[attr-defined]
         super().save_model(request, obj, form, change)
 
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        super().save_related(request, form, formsets, change)
+        if not change:
+            # Narrowed for good when created with bindings (see ApiToken.scoped).
+            scoped = form.instance.bindings.exists()
+            ApiToken.objects.filter(pk=form.instance.pk).update(scoped=scoped)
+            form.instance.scoped = scoped
+
     def response_add(
         self, request: HttpRequest, obj: ApiToken, post_url_continue: str | None = None
     ) -> HttpResponse:

@@ -42,9 +42,9 @@ class Caller:
     def scope(self) -> frozenset[uuid.UUID] | None:
         """The bindings the token is narrowed to (None: no narrowing)."""
         if not self._scope_loaded:
-            if self.token is not None:
-                ids = frozenset(self.token.bindings.values_list("pk", flat=True))
-                self._scope = ids or None
+            if self.token is not None and self.token.scoped:
+                # Possibly empty (its bindings deleted since): then it acts on none.
+                self._scope = frozenset(self.token.bindings.values_list("pk", flat=True))
             self._scope_loaded = True
         return self._scope
 

@@ -91,11 +91,12 @@ def wait_run(request: HttpRequest, run_id: str, query: Query[WaitQuery]) -> RunD
     """Hold the request until the run has finished or `timeout` seconds have passed, then
     answer with the run: `finished` says which. Reads the run's row every half second
     (no lock); each waiting request holds one of the site's threads and a connection."""
+    who = require(request, VIEW)
     most = conf.api_wait_max_seconds()
     if query.timeout > most:
         message = f"must be at most {most:g} seconds (DISPATCH_API_WAIT_MAX_SECONDS)"
         raise Problem(422, f"timeout {message}", errors=[{"field": "timeout", "message": message}])
-    run = _visible(require(request, VIEW), run_id)
+    run = _visible(who, run_id)
     # On timeout, answered with the run as it stands.
     with contextlib.suppress(api.WaitTimeout):
         api.wait(run, timeout=query.timeout, poll_interval=WAIT_POLL_SECONDS)

@@ -24,6 +24,7 @@ class Migration(migrations.Migration):
                 ('name', models.CharField(help_text='What uses it, e.g. “airflow-prod”.', max_length=100)),
                 ('prefix', models.CharField(editable=False, max_length=10, unique=True)),
                 ('secret_hash', models.CharField(editable=False, max_length=64)),
+                ('scoped', models.BooleanField(default=False, editable=False)),
                 ('created_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now(), editable=False)),
                 ('expires_at', models.DateTimeField(help_text='After this moment the token is refused.')),
                 ('last_used_at', models.DateTimeField(blank=True, editable=False, null=True)),

@@ -14,11 +14,12 @@ import hashlib
 import hmac
 import secrets
 import uuid
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import models
+from django.db import models, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -73,6 +74,9 @@ class ApiToken(models.Model):
         related_name="+",
         help_text="Bindings this token may act on; none selected: every binding its user may.",
     )
+    # Whether `bindings` narrows the token (set once, with them). Kept apart from the list:
+    # a binding deleted later leaves a narrowed token narrower, never unbounded.
+    scoped = models.BooleanField(default=False, editable=False)
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     expires_at = models.DateTimeField(help_text="After this moment the token is refused.")
     last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
@@ -96,11 +100,17 @@ class ApiToken(models.Model):
         return hmac.compare_digest(digest(token), self.secret_hash)
 
     @classmethod
-    def issue(cls, *, name: str, user: Any, expires_at: datetime) -> tuple[ApiToken, str]:
-        """A new token row and the token itself (the only time it exists in clear)."""
-        row = cls(name=name, user=user, expires_at=expires_at)
+    def issue(
+        cls, *, name: str, user: Any, expires_at: datetime, bindings: Sequence[Any] = ()
+    ) -> tuple[ApiToken, str]:
+        """A new token row and the token itself (the only time it exists in clear),
+        narrowed to `bindings` when some are given."""
+        row = cls(name=name, user=user, expires_at=expires_at, scoped=bool(bindings))
         token = row.new_secret()
-        row.save()
+        with transaction.atomic():
+            row.save()
+            if bindings:
+                row.bindings.set(bindings)
         return row, token
 
     def new_secret(self) -> str:

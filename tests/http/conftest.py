@@ -67,12 +67,12 @@ def make_user(name: str, *perms: str, **fields: Any) -> User:
 def make_token(
     user: User, *, bindings: list[JobBinding] | None = None, days: float = 30, name: str = "t"
 ) -> tuple[ApiToken, str]:
-    row, token = ApiToken.issue(
-        name=name, user=user, expires_at=timezone.now() + timedelta(days=days)
+    return ApiToken.issue(
+        name=name,
+        user=user,
+        expires_at=timezone.now() + timedelta(days=days),
+        bindings=bindings or (),
     )
-    if bindings:
-        row.bindings.set(bindings)
-    return row, token
 
 
 @pytest.fixture

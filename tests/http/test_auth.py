@@ -180,3 +180,13 @@ def test_tokens_are_stored_hashed(transactional_db: Any) -> None:
     assert token.split("_")[2] not in str(stored)
     assert row.matches(token) and not row.matches(token + "x")
     assert row.expires_at > timezone.now()
+
+
+def test_a_scoped_token_whose_bindings_are_gone_acts_on_none(http: Any) -> None:
+    gone, other = BindingFactory(name="gone"), BindingFactory(name="other")
+    row, token = make_token(make_user("u", *ALL), bindings=[gone])
+    gone.delete()
+    assert row.bindings.count() == 0
+    assert_problem(http("POST", "/bindings/other/trigger", token=token), 403, "scope")
+    assert http("GET", "/bindings", token=token).json["items"] == []
+    assert not Run.objects.filter(binding=other).exists()

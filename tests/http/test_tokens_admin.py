@@ -103,3 +103,19 @@ def test_the_expiry_is_in_the_future_and_within_the_maximum(admin_client: Client
     past = add(admin_client, user=admin.pk, expires_at_0="2020-01-01", expires_at_1="00:00:00")
     assert "in the future" in past.content.decode()
     assert not ApiToken.objects.exists()
+
+
+def test_a_token_made_with_bindings_is_narrowed_for_good(admin_client: Client) -> None:
+    from tests.support.factories import BindingFactory
+
+    mine, other = BindingFactory(name="mine"), BindingFactory(name="other")
+    admin = User.objects.get(username="admin")
+    page = add(admin_client, user=admin.pk, bindings=[mine.pk]).content.decode()
+    (token,) = set(TOKEN.findall(page))
+    row = ApiToken.objects.get()
+    assert row.scoped and list(row.bindings.all()) == [mine]
+    api = Client()
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {token}", "content_type": "application/json"}
+    assert api.post("/api/v1/bindings/mine/trigger", **auth).status_code == 201
+    assert api.post("/api/v1/bindings/other/trigger", **auth).status_code == 403
+    assert other.runs.count() == 0
