@@ -10,3 +10,4 @@ from dispatch.console.admin import (  # noqa: F401
     RunAdmin,
     WorkerAdmin,
 )
+from dispatch.console.tokens import ApiTokenAdmin  # noqa: F401

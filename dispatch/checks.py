@@ -34,6 +34,8 @@ CHECK_IDS: dict[str, str] = {
     "system, Python, PATH or home directory, in one or containing one)",
     "dispatch.E017": "an entry of DISPATCH_ALERT_EMAIL_DOMAINS is neither a domain nor '*'",
     "dispatch.E018": "DISPATCH_APPLY_ENV_PREFIX or DISPATCH_APPLY_SECRET_DIRS cannot be used",
+    "dispatch.E019": "DISPATCH_API_MAX_BODY_BYTES or DISPATCH_API_TOKEN_MAX_DAYS is not a whole "
+    "number within its bounds",
     "dispatch.W001": "DISPATCH_HEALTH_SCAN_LAG is shorter than DISPATCH_COORDINATION_TIMEOUT",
     "dispatch.W002": "stored alert addresses of bindings are outside DISPATCH_ALERT_EMAIL_DOMAINS",
     "dispatch.W003": "another app's command of the same name wins over runworker, trigger, ...",
@@ -118,7 +120,30 @@ TIME_SETTINGS = (
     ("DISPATCH_MISFIRE_GRACE_SECONDS", 0.0, 7 * 86_400.0, 60.0),
     ("DISPATCH_LISTEN_PROBE_INTERVAL", 0.1, 86_400.0, 30.0),
     ("DISPATCH_LISTEN_PROBE_TIMEOUT", 0.1, 3_600.0, 5.0),
+    ("DISPATCH_API_WAIT_MAX_SECONDS", 0.0, 3_600.0, 60.0),
 )
+
+# The HTTP API's whole-number settings: (name, minimum, maximum, default).
+API_SETTINGS = (
+    ("DISPATCH_API_MAX_BODY_BYTES", 1_024, 1 << 30, 1 << 20),
+    ("DISPATCH_API_TOKEN_MAX_DAYS", 1, 3_650, 365),
+)
+
+
+@register()
+def check_api_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """dispatch.E019: an HTTP API setting that is not a whole number within its bounds."""
+    errors = []
+    for name, low, high, default in API_SETTINGS:
+        value = getattr(settings, name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            errors.append(
+                Error(
+                    f"{name} is {value!r}; it must be a whole number from {low} to {high}.",
+                    id="dispatch.E019",
+                )
+            )
+    return errors
 
 
 @register()

@@ -24,6 +24,8 @@ BUILTIN: dict[str, str] = {
     "check_invariants": "check_invariants",
     "apply": "dispatch_apply",
     "export": "dispatch_export",
+    "runs": "dispatch_runs",
+    "bindings": "dispatch_bindings",
 }
 
 

@@ -314,3 +314,19 @@ def worker_metrics_addr() -> str:
     """The address the worker's metrics port binds to (loopback unless told otherwise:
     the port has no access control of its own)."""
     return str(getattr(settings, "DISPATCH_WORKER_METRICS_ADDR", "127.0.0.1") or "127.0.0.1")
+
+
+def api_max_body_bytes() -> int:
+    """The largest request body the HTTP API reads (bytes); a larger one is refused with
+    413 before it is read."""
+    return int(getattr(settings, "DISPATCH_API_MAX_BODY_BYTES", 1024 * 1024))
+
+
+def api_token_max_days() -> int:
+    """The longest an API token may live: the console refuses a later expiry."""
+    return int(getattr(settings, "DISPATCH_API_TOKEN_MAX_DAYS", 365))
+
+
+def api_wait_max_seconds() -> float:
+    """The longest one long-poll (`GET runs/{id}/wait`) holds its request."""
+    return float(getattr(settings, "DISPATCH_API_WAIT_MAX_SECONDS", 60.0))

@@ -209,7 +209,9 @@ def cmd_run() -> int:
     try:
         manage("migrate", "--no-input", "-v", "0", env=env)
         seed_demo(env, password_file=demo_password_file(), csv_dir=demo_csv_dir(env))
-        print(f"\n  Admin:  http://127.0.0.1:{port}/admin/   (see the login above)\n", flush=True)
+        print(f"\n  Admin:  http://127.0.0.1:{port}/admin/   (see the login above)", flush=True)
+        manage("demo_api_token", "--url", f"http://127.0.0.1:{port}/api/v1/", env=env)
+        print(flush=True)
         procs.append(
             subprocess.Popen(
                 [PYTHON, str(ROOT / "manage.py"), "runserver", f"127.0.0.1:{port}", "--noreload"],

@@ -129,7 +129,8 @@ def django_connection(dbname: str) -> Iterator[BaseDatabaseWrapper]:
 def migrate(
     wrapper: BaseDatabaseWrapper, target: str | None = None, *, squashes: bool = True
 ) -> list[str]:
-    """Migrate dispatch to `target` (default: its head) and return the names applied.
+    """Migrate dispatch to `target` (default: its head) and return the names of dispatch's
+    migrations applied (those of the apps it depends on, auth for API tokens, run too).
     `squashes=False` reads the migration files as they are, without the squash, the way
     the loader sees them once any replaced migration has been applied."""
     executor = MigrationExecutor(wrapper)
@@ -139,7 +140,7 @@ def migrate(
         [(_, target)] = executor.loader.graph.leaf_nodes("dispatch")
     plan = executor.migration_plan([("dispatch", target)])
     executor.migrate([("dispatch", target)], plan=plan)
-    return [migration.name for migration, _ in plan]
+    return [migration.name for migration, _ in plan if migration.app_label == "dispatch"]
 
 
 @dataclass

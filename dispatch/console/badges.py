@@ -83,6 +83,7 @@ REFUSAL_TEXT: dict[str, str] = {
     "ALREADY_ENABLED": "already enabled",
     "ALREADY_DISABLED": "already disabled",
     "CONNECTION_FAILED": "connection failed",
+    "ALREADY_REVOKED": "already revoked",
 }
 # Refusals whose message is shown, not only the object's name (a cursor's: our own text,
 # saying what was wrong with the value).
@@ -100,6 +101,7 @@ OUTCOME_TEXT: dict[str, str] = {
     "CONNECTION_OK": "connection OK",
     "CURSOR_RESET": "cursor reset (the next run reads the whole source)",
     "CURSOR_SET": "cursor set (the next run reads the rows above it)",
+    "REVOKED": "revoked",
 }
 
 

@@ -1,6 +1,6 @@
 """dispatch's models: the core tables (datasources, jobs, bindings, runs, attempts,
-cursors, workers) and the operations tables (health, alerts, metrics, maintenance
-cursors). Django finds every model through this package; import them from here."""
+cursors, workers), the operations tables (health, alerts, metrics, maintenance
+cursors) and the HTTP API's tokens. Django finds every model through this package; import them from here."""
 
 from dispatch.models.core import (
     MANAGED_BY_FILES,
@@ -27,6 +27,7 @@ from dispatch.models.ops import (
     HealthState,
     OpsState,
 )
+from dispatch.models.tokens import ApiToken
 
 __all__ = [
     "MANAGED_BY_FILES",
@@ -34,6 +35,7 @@ __all__ = [
     "MAX_JSON_BYTES",
     "SECRET_MASK",
     "Alert",
+    "ApiToken",
     "AlertKind",
     "AlertStatus",
     "Attempt",

@@ -65,3 +65,25 @@ def in_threads(n: int, target: Callable[[int], Any]) -> list[Any]:
 
 
 __all__ = ["attempts_of", "claim_one", "connection", "expire", "in_threads", "raw_connection"]
+
+
+def plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every node of an EXPLAIN (FORMAT JSON) plan, depth first."""
+    found = [node]
+    for child in node.get("Plans", []):
+        found += plan_nodes(child)
+    return found
+
+
+def buffers(sql: str) -> tuple[int, dict[str, Any]]:
+    """The shared buffers (hit + read) one SELECT touches, and its plan: what a query
+    costs, independent of the machine's speed (EXPLAIN (ANALYZE, BUFFERS))."""
+    import json
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}")
+        plan = cursor.fetchone()[0]
+    if isinstance(plan, str):
+        plan = json.loads(plan)
+    top = plan[0]["Plan"]
+    return int(top.get("Shared Hit Blocks", 0)) + int(top.get("Shared Read Blocks", 0)), top
