@@ -166,6 +166,16 @@ class DispatchClient:
         """Returns {"outcome": "RETRIED", "run": {...}}."""
         return self.request("POST", f"/runs/{_quote(run_id)}/retry")  # type: ignore[no-any-return]
 
+    def plan_definitions(self, files: Mapping[str, str], *, prune: bool = False) -> dict[str, Any]:
+        """The diff of definition files ({name: YAML text}); nothing written."""
+        body = {"files": [{"name": n, "text": t} for n, t in files.items()], "prune": prune}
+        return self.request("POST", "/definitions/plan", body=body)  # type: ignore[no-any-return]
+
+    def apply_definitions(self, files: Mapping[str, str], *, prune: bool = False) -> dict[str, Any]:
+        """Apply definition files ({name: YAML text}) in one transaction."""
+        body = {"files": [{"name": n, "text": t} for n, t in files.items()], "prune": prune}
+        return self.request("POST", "/definitions/apply", body=body)  # type: ignore[no-any-return]
+
     def runs(
         self,
         *,

@@ -1,9 +1,9 @@
 """The `NinjaAPI` that `dispatch.urls` mounts under `api/v1/`, its body limits and its
 problem+json handlers.
 
-Routers: `bindings` and `runs` (this package), added in `build()`. Another resource gets
-a router module of its own in this package, added there the same way (the apply and diff
-of definition files, `dispatch.ascode`, belong beside these two).
+Routers: `bindings`, `runs` and `definitions` (the diff and apply of definition files,
+`dispatch.ascode`), added in `build()`; another resource gets a router module of its own
+in this package, added there the same way.
 """
 
 from __future__ import annotations
@@ -114,10 +114,11 @@ def build() -> NinjaAPI:
         openapi_url=None,
         docs_url=None,
     )
-    from dispatch.http import bindings, runs
+    from dispatch.http import bindings, definitions, runs
 
     api.add_router("/bindings", bindings.router)
     api.add_router("/runs", runs.router)
+    api.add_router("/definitions", definitions.router)
     api.add_decorator(bounded_body, mode="view")
     _handlers(api)
     return api
