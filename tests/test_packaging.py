@@ -236,6 +236,8 @@ for url in urls:
         assert response["Location"].startswith("/ops/console/"), url
         continue
     body = response.content.decode()
+    # Django 5.2 rendered a database default's repr on add pages.
+    assert "DatabaseDefault" not in body, url
     wrong = [h for h in re.findall(r'(?:href|action)="(/[^"]*)"', body) if h.startswith("/admin/")]
     assert not wrong, (url, wrong[:3])
     apps.add(url.split("/")[3])
@@ -270,8 +272,9 @@ def host_database() -> dict[str, str]:
 
 @pytest.mark.django_db
 def test_a_new_django_site__installs_migrates_runs_and_serves_the_console(
-    venv: Path, tmp_path: Path, host_database: dict[str, str]
+    readme_venv: Path, tmp_path: Path, host_database: dict[str, str]
 ):
+    venv = readme_venv  # this Python's, and a Python 3.12+'s (Django 6.x) where there is one
     bindir = venv / "bin"
     run(
         [str(bindir / "django-admin"), "startproject", "site_one", str(tmp_path)],
@@ -373,18 +376,40 @@ print("HEALTHZ", Client().get("/dispatch/healthz").status_code)
 """
 
 
+def _runs_python(path: str) -> bool:
+    """Whether `path` is a working Python 3.12+ (a pyenv shim of a version that is not
+    selected exits non-zero)."""
+    try:
+        done = subprocess.run(
+            [path, "-c", "import sys; assert sys.version_info >= (3, 12)"],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+    except OSError:
+        return False
+    return done.returncode == 0
+
+
 def _newer_pythons() -> list[str]:
-    """Python 3.12+ interpreters on PATH other than this one: Django 6.x needs 3.12, so a
-    machine that has one also runs the README's site on the newest Django pip picks."""
-    found = []
-    for name in ("python3.14", "python3.13", "python3.12"):
-        path = shutil.which(name)
-        if path and os.path.realpath(path) != os.path.realpath(sys.executable):
-            found.append(path)
-    return found[:1]
+    """A Python 3.12+ other than this one, on PATH or installed by pyenv: Django 6.x needs
+    3.12, so a machine that has one also runs the host site on the newest Django pip
+    picks there."""
+    candidates = [shutil.which(f"python3.{minor}") for minor in range(20, 11, -1)]
+    pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
+    if pyenv.is_dir():
+        candidates += sorted(
+            (str(p) for p in pyenv.glob("3.*/bin/python3.*") if p.name[-1].isdigit()),
+            reverse=True,
+        )
+    this = os.path.realpath(sys.executable)
+    for path in candidates:
+        if path and os.path.realpath(path) != this and _runs_python(path):
+            return [path]
+    return []
 
 
-@pytest.fixture(params=["this-python", *_newer_pythons()])
+@pytest.fixture(scope="session", params=["this-python", *_newer_pythons()])
 def readme_venv(
     request: pytest.FixtureRequest,
     venv: Path,
