@@ -196,7 +196,13 @@ JobBinding.objects.create(name="gen-to-void", job=job, source=source, sink=sink)
 
 RESULT = """
 from dispatch.models import Run
+import sys
 run = Run.objects.get()
+if run.attempts.count() != 1:  # say why, not just that
+    for a in run.attempts.order_by("number"):
+        print("attempt", a.number, a.status, a.origin, a.reason, repr(a.error)[:300],
+              file=sys.stderr)
+    sys.exit(1)
 attempt = run.attempts.get()
 print(run.status, attempt.rows_written)
 """
@@ -272,9 +278,8 @@ def host_database() -> dict[str, str]:
 
 @pytest.mark.django_db
 def test_a_new_django_site__installs_migrates_runs_and_serves_the_console(
-    readme_venv: Path, tmp_path: Path, host_database: dict[str, str]
+    venv: Path, tmp_path: Path, host_database: dict[str, str]
 ):
-    venv = readme_venv  # this Python's, and a Python 3.12+'s (Django 6.x) where there is one
     bindir = venv / "bin"
     run(
         [str(bindir / "django-admin"), "startproject", "site_one", str(tmp_path)],
@@ -409,15 +414,15 @@ def _newer_pythons() -> list[str]:
     return []
 
 
-@pytest.fixture(scope="session", params=["this-python", *_newer_pythons()])
+@pytest.fixture(scope="session", params=_newer_pythons()[:1] or ["this-python"])
 def readme_venv(
     request: pytest.FixtureRequest,
     venv: Path,
     wheel: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Path:
-    """The session's virtualenv (this Python, the newest Django it can run), or one of a
-    Python 3.12+ found on PATH (Django 6.x)."""
+    """A virtualenv of a Python 3.12+ found on the machine (Django 6.x), else the
+    session's (this Python)."""
     if request.param == "this-python":
         return venv
     home = tmp_path_factory.mktemp("venv-newer") / "env"
@@ -443,8 +448,8 @@ def test_the_readme_install_section__as_written__makes_a_site_whose_schedules_fi
 ):
     """The README's install section, literally: its key command, its settings and urls
     snippets, `migrate`, then one `runworker` with no flags, and a `* * * * *` schedule
-    fires (the worker runs the reconciler by default). On this Python, and on a Python
-    3.12+ with Django 6.x where the machine has one."""
+    fires (the worker runs the reconciler by default). On the newest Python the machine
+    has (3.12+: Django 6.x), else this one; the console test covers this Python's Django."""
     bindir = readme_venv / "bin"
     python = str(bindir / "python")
     site = tmp_path / "site"
