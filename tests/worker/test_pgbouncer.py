@@ -173,6 +173,19 @@ def test_connection_budget__direct_worker_listen_main_heartbeat_and_one_per_busy
         assert _backends("dispatch-schedules-listen") == 0
     finally:
         direct.stop_all()
+        # A backend of the stopped worker ends when it next reads its socket; the
+        # teardown's TRUNCATE once deadlocked with one still busy. End them first.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name LIKE %s"
+                " AND pid <> pg_backend_pid()",
+                ["%w-budget%"],
+            )
+        wait_until(
+            lambda: _backends("w-budget") + _backends("dispatch-listen w-budget") == 0,
+            message="the stopped worker's backends gone",
+        )
 
 
 class SilencingProxy:
