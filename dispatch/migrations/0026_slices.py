@@ -5,6 +5,8 @@ import django.db.models.deletion
 import django.db.models.functions.datetime
 from django.db import migrations, models
 
+from dispatch.sqlfiles import install
+
 
 class Migration(migrations.Migration):
     """Slices of a big table source: a slice run names its sliced run (`parent`,
@@ -25,6 +27,8 @@ class Migration(migrations.Migration):
                 ('lower', models.TextField(blank=True, null=True)),
                 ('upper', models.TextField(blank=True, null=True)),
                 ('rows_written', models.BigIntegerField(default=0)),
+                ('parent', models.ForeignKey(db_index=False, on_delete=django.db.models.deletion.CASCADE, related_name='+', to='dispatch.run')),
+                ('run', models.OneToOneField(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='slice', to='dispatch.run')),
             ],
             options={
                 'ordering': ['parent', 'number'],
@@ -116,16 +120,6 @@ class Migration(migrations.Migration):
             model_name='run',
             constraint=models.CheckConstraint(condition=models.Q(('parent__isnull', True), models.Q(('status', 'WAITING'), _negated=True), _connector='OR'), name='dispatch_run_slice_not_waiting'),
         ),
-        migrations.AddField(
-            model_name='slice',
-            name='parent',
-            field=models.ForeignKey(db_index=False, on_delete=django.db.models.deletion.CASCADE, related_name='+', to='dispatch.run'),
-        ),
-        migrations.AddField(
-            model_name='slice',
-            name='run',
-            field=models.OneToOneField(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='slice', to='dispatch.run'),
-        ),
         migrations.AddConstraint(
             model_name='sliceplan',
             constraint=models.CheckConstraint(condition=models.Q(('in_flight__gte', 1), ('total__gte', 1)), name='dispatch_sliceplan_total_min'),
@@ -146,4 +140,5 @@ class Migration(migrations.Migration):
             model_name='slice',
             constraint=models.CheckConstraint(condition=models.Q(('number__gte', 1)), name='dispatch_slice_number_min'),
         ),
+        install("0026_functions.sql"),
     ]

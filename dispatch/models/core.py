@@ -384,6 +384,17 @@ class JobBinding(models.Model):
             found = spec_errors(connector, role, getattr(job, f"{role}_spec"))
             if found:
                 errors[role] = found
+            elif (
+                role == "sink"
+                and isinstance(job.source_spec, dict)
+                and job.source_spec.get("slices") is not None
+                and not getattr(connector, "sliced_writes", False)
+            ):
+                errors[role] = [
+                    f"a {datasource.kind} sink cannot take a sliced source (slices commit one "
+                    "by one, each fenced by its own run): use a postgresql or null sink, or "
+                    "drop slices from the source spec"
+                ]
         if errors:
             raise ValidationError(errors)
 
