@@ -400,3 +400,42 @@ def test_slice_ids_are_version_8_and_other_runs_version_4() -> None:
         for r in Run.objects.filter(parent=parent).values_list("pk", flat=True)
     } == {8}  # noqa: E501
     assert parent.pk.version == 4
+
+
+@pytest.mark.django_db
+def test_runs_listing__names_each_slice_and_its_sliced_run() -> None:
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    parent = planned(2)
+    child = Run.objects.get(parent=parent, slice_number=2)
+    out = StringIO()
+    call_command("dispatch_runs", "list", stdout=out)
+    assert f"{child.pk}" in out.getvalue()
+    assert f"slice 2 of {parent.pk}" in out.getvalue()
+    assert "WAITING" in out.getvalue()
+    out = StringIO()
+    call_command("dispatch_runs", "show", str(child.pk), "--json", stdout=out)
+    shown = json.loads(out.getvalue())
+    assert (shown["parent_id"], shown["slice_number"]) == (str(parent.pk), 2)
+    out = StringIO()
+    call_command("dispatch_runs", "show", str(parent.pk), stdout=out)
+    assert "status     WAITING" in out.getvalue()
+    assert "SLICES_PLANNED" in out.getvalue()
+
+
+@pytest.mark.django_db
+def test_console__run_list_and_pages_render_with_slice_runs(admin_client: Any) -> None:
+    from django.urls import reverse
+
+    parent = planned(3, in_flight=2)
+    c = claim_slice(1, parent)
+    claims.settle(c.attempt_id, c.lease_token, "PERMANENT", reason="PERMANENT_ERROR", error="x")
+    listing = admin_client.get(reverse("admin:dispatch_run_changelist"))
+    assert listing.status_code == 200
+    for run in (parent, *Run.objects.filter(parent=parent)):
+        page = admin_client.get(reverse("admin:dispatch_run_change", args=[run.pk]))
+        assert page.status_code == 200, run
+    overview = admin_client.get(reverse("admin:dispatch_overview_changelist"), follow=True)
+    assert overview.status_code == 200
