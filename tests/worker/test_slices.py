@@ -439,3 +439,25 @@ def test_console__run_list_and_pages_render_with_slice_runs(admin_client: Any) -
         assert page.status_code == 200, run
     overview = admin_client.get(reverse("admin:dispatch_overview_changelist"), follow=True)
     assert overview.status_code == 200
+
+
+@pytest.mark.django_db
+def test_save__slices_need_a_sink_that_takes_them_and_max_slices_in_flight_at_least_1() -> None:
+    from django.core.exceptions import ValidationError
+    from django.db import IntegrityError, transaction
+
+    from dispatch.models import Datasource, Job
+
+    src = Datasource(name="pg-src", kind="postgresql", config={"host": "h", "dbname": "d"})
+    src.save()
+    csv = Datasource(name="csv-sink", kind="csv", config={"base_dir": "/tmp"})
+    csv.save()
+    job = factories.JobFactory(source_spec=SPEC, sink_spec={"path": "out.csv"})
+    binding = JobBinding(name="b-csv", job=job, source=src, sink=csv)
+    with pytest.raises(ValidationError, match="a csv sink cannot take a sliced source"):
+        binding.full_clean()
+    job.max_slices_in_flight = 0
+    with pytest.raises(ValidationError, match="max_slices_in_flight"):
+        job.full_clean()
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Job.objects.filter(pk=job.pk).update(max_slices_in_flight=0)
