@@ -461,3 +461,51 @@ def test_save__slices_need_a_sink_that_takes_them_and_max_slices_in_flight_at_le
         job.full_clean()
     with pytest.raises(IntegrityError), transaction.atomic():
         Job.objects.filter(pk=job.pk).update(max_slices_in_flight=0)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_retention__a_sliced_run_goes_with_its_slices_and_not_while_one_is_live() -> None:
+    from datetime import timedelta
+
+    from django.db.models import DurationField, Value
+    from django.db.models.functions import Now
+
+    from dispatch.ops import retention
+
+    def age(run: Run) -> None:
+        ago = Now() - Value(timedelta(days=60), output_field=DurationField())
+        Run.objects.filter(pk=run.pk).update(created_at=ago, finished_at=ago)
+
+    done = planned(2)
+    for number in (1, 2):
+        c = claim_slice(number, done)
+        claims.settle(c.attempt_id, c.lease_token, "SUCCEEDED", rows_written=1)
+    failed = planned(2)
+    one, two = claim_slice(1, failed), claim_slice(2, failed)
+    claims.settle(one.attempt_id, one.lease_token, "PERMANENT", reason="PERMANENT_ERROR",
+                  error="x")  # fmt: skip
+    # Slice 2 of the FAILED run still runs: its run is kept for now.
+    for run in (done, failed):
+        run.refresh_from_db()
+        age(run)
+    newer = factories.trigger(done.binding)  # R2: not the latest run of its binding
+    factories.trigger(failed.binding)
+    with override_failed_retention():
+        report = retention.prune()
+    assert not Run.objects.filter(pk=done.pk).exists()
+    assert not Run.objects.filter(parent_id=done.pk).exists()
+    assert not Slice.objects.filter(parent_id=done.pk).exists()
+    assert not SlicePlan.objects.filter(run_id=done.pk).exists()
+    assert report.attempts == 3  # the planning attempt and one per slice
+    assert Run.objects.filter(pk=failed.pk).exists() and Run.objects.filter(pk=newer.pk).exists()
+    claims.settle(two.attempt_id, two.lease_token, "SUCCEEDED", rows_written=1)
+    with override_failed_retention():
+        retention.prune()
+    assert not Run.objects.filter(pk=failed.pk).exists()
+    assert not Run.objects.filter(parent_id=failed.pk).exists()
+
+
+def override_failed_retention() -> Any:
+    from django.test import override_settings
+
+    return override_settings(DISPATCH_RETENTION_DAYS={"SUCCEEDED": 7, "FAILED": 7, "CANCELLED": 7})
