@@ -13,6 +13,7 @@ import json
 import logging
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -23,7 +24,8 @@ from django.db.models import Max
 from django.db.models.functions import Now
 
 from dispatch import conf, deadline, signals, sqlfiles
-from dispatch.models import Attempt, BindingCursor, JobBinding, Run
+from dispatch.models import Attempt, BindingCursor, JobBinding, Run, Slice, SlicePlan
+from dispatch.progress import Progress
 from dispatch.security import crypto
 from dispatch.states import (
     LIVE_STATUSES,
@@ -51,7 +53,8 @@ class ActionRefused(Exception):
     """An action that does not apply to the row's current state; nothing changed.
 
     Codes: ALREADY_FINISHED, CANCEL_ALREADY_REQUESTED, NOT_RETRYABLE, NOT_WAITING,
-    NOT_RUNNING.
+    NOT_RUNNING, SLICE_RUN (a cancel or retry of one slice of a sliced run: act on the
+    sliced run), BUSY (a sliced run's slices kept changing under the action).
     """
 
     def __init__(self, code: str, message: str) -> None:
@@ -271,53 +274,257 @@ def _lock_run(run: Run | uuid.UUID | str) -> tuple[Run, Attempt | None]:
     return locked, live
 
 
-def cancel_run(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
-    """Cancel a run: a PENDING one at once, a RUNNING one at its worker's next heartbeat
-    (or when recovery finds its lease expired). Locks run, then attempt."""
-    with transaction.atomic():
-        locked, live = _lock_run(run)
-        if live is None:
-            raise ActionRefused(
-                "ALREADY_FINISHED", f"Run {locked.pk} has already finished ({locked.status})."
-            )
-        if live.status == Status.PENDING:
-            Attempt.objects.filter(pk=live.pk, status=Status.PENDING).update(
-                status=Status.CANCELLED, reason=Reason.CANCELLED_BY_OPERATOR, finished_at=Now()
-            )
-            Run.objects.filter(pk=locked.pk).update(
-                status=Status.CANCELLED, finished_at=Now(), cancel_requested_at=Now()
-            )
+def _refuse_slice(run: Run | uuid.UUID | str, action: str) -> uuid.UUID:
+    """The run's id; a slice run refused (its sliced run is what an operator acts on)."""
+    run_id = run.pk if isinstance(run, Run) else uuid.UUID(str(run))
+    row = Run.objects.filter(pk=run_id).values_list("parent_id", "slice_number").first()
+    if row is not None and row[0] is not None:
+        raise ActionRefused(
+            "SLICE_RUN",
+            f"Run {run_id} is slice {row[1]} of run {row[0]}: {action} run {row[0]} "
+            "(its slices follow).",
+        )
+    return run_id
+
+
+def _is_sliced(run_id: uuid.UUID) -> bool:
+    """Whether the run has a slice plan (written once, by its planning attempt)."""
+    return SlicePlan.objects.filter(run_id=run_id).exists()
+
+
+class _Moved(Exception):  # noqa: N818 - control flow: the rows moved under us, try again
+    """A sliced run's slices changed between their lock and the parent's (a settlement
+    started one): the action starts again with the new set."""
+
+
+def _lock_slices(parent_id: uuid.UUID, statuses: Sequence[str]) -> list[Run]:
+    """Lock a sliced run's slice runs in `statuses`, ascending id (a slice before its
+    parent: the order of settlement and recovery)."""
+    return list(
+        Run.objects.select_for_update()
+        .filter(parent_id=parent_id, status__in=statuses)
+        .order_by("pk")
+    )
+
+
+def _same_slices(parent_id: uuid.UUID, statuses: Sequence[str], locked: list[Run]) -> None:
+    """Under the parent's lock (no slice can start or end now): raise _Moved if the set
+    of slices in `statuses` is no longer the one locked."""
+    now = set(
+        Run.objects.filter(parent_id=parent_id, status__in=statuses).values_list("pk", flat=True)
+    )
+    if now != {r.pk for r in locked}:
+        raise _Moved
+
+
+def _retrying(action: Any) -> Any:
+    """Run `action()` (one transaction) again when the slices moved under it; a few
+    times at most (each retry needs a slice to start or end in a window of milliseconds)."""
+    for _ in range(5):
+        try:
+            return action()
+        except _Moved:
+            continue
+    raise ActionRefused("BUSY", "The run's slices keep changing; try again.")
+
+
+def _cancel_sliced(run_id: uuid.UUID) -> Outcome | None:
+    """Cancel a WAITING sliced run: its queued slices now, its running ones at their next
+    heartbeat; the run CANCELLED once none is left running. None: the run is not WAITING
+    (still planning: the plain cancel applies)."""
+    locked = _lock_slices(run_id, LIVE_STATUSES)
+    live = list(
+        Attempt.objects.select_for_update()
+        .filter(run_id__in=[r.pk for r in locked], status__in=LIVE_STATUSES)
+        .order_by("run_id")
+    )
+    parent = Run.objects.select_for_update().get(pk=run_id)
+    if parent.status in LIVE_STATUSES:
+        return None
+    if parent.status != Status.WAITING:
+        raise ActionRefused(
+            "ALREADY_FINISHED", f"Run {parent.pk} has already finished ({parent.status})."
+        )
+    if parent.cancel_requested_at is not None:
+        raise ActionRefused(
+            "CANCEL_ALREADY_REQUESTED",
+            f"Run {parent.pk} already has a cancel request; its running slices stop at their "
+            "next heartbeat.",
+        )
+    _same_slices(run_id, LIVE_STATUSES, locked)
+    pending = [a for a in live if a.status == Status.PENDING]
+    running = [a.run_id for a in live if a.status == Status.RUNNING]
+    if pending:
+        Attempt.objects.filter(pk__in=[a.pk for a in pending], status=Status.PENDING).update(
+            status=Status.CANCELLED, reason=Reason.CANCELLED_BY_OPERATOR, finished_at=Now()
+        )
+        Run.objects.filter(pk__in=[a.run_id for a in pending]).update(
+            status=Status.CANCELLED, finished_at=Now(), cancel_requested_at=Now()
+        )
+        for a in pending:
             signals.settled(
-                run_id=locked.pk,
-                attempt_id=live.pk,
-                attempt=live.number,
-                binding_id=locked.binding_id,
+                run_id=a.run_id,
+                attempt_id=a.pk,
+                attempt=a.number,
+                binding_id=parent.binding_id,
                 status=Status.CANCELLED,
             )
-            outcome = Outcome.CANCELLED
-        else:
-            if locked.cancel_requested_at is not None:
+    if running:
+        Run.objects.filter(pk__in=running).update(cancel_requested_at=Now())
+    plan = SlicePlan.objects.select_for_update().get(run_id=run_id)
+    plan.live = max(0, plan.live - len(pending))
+    plan.failed += len(pending)
+    SlicePlan.objects.filter(run_id=run_id).update(live=plan.live, failed=plan.failed)
+    if plan.live == 0:
+        Run.objects.filter(pk=run_id).update(
+            status=Status.CANCELLED, finished_at=Now(), cancel_requested_at=Now()
+        )
+        return Outcome.CANCELLED
+    Run.objects.filter(pk=run_id).update(cancel_requested_at=Now())
+    for slice_run in running:
+        _notify_on_commit(slice_run)  # each holding worker heartbeats at once
+    return Outcome.CANCEL_REQUESTED
+
+
+def cancel_run(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
+    """Cancel a run: a PENDING one at once, a RUNNING one at its worker's next heartbeat
+    (or when recovery finds its lease expired). Locks run, then attempt.
+
+    A sliced run WAITING on its slices: its queued slices are cancelled at once and its
+    running ones get a cancel request; the run is CANCELLED once none is running (a slice
+    whose commit wins still counts as done). Locks its live slice runs (ascending id),
+    their attempts, then the run. A slice run itself is refused (SLICE_RUN)."""
+    run_id = _refuse_slice(run, "cancel")
+    if _is_sliced(run_id):
+
+        def sliced() -> Outcome | None:
+            with transaction.atomic():
+                return _cancel_sliced(run_id)
+
+        outcome = _retrying(sliced)
+        if outcome is not None:
+            log.info("sliced run cancel run=%s outcome=%s by=%s", run_id, outcome, _who(by))
+            return outcome  # type: ignore[no-any-return]
+    try:
+        with transaction.atomic():
+            locked, live = _lock_run(run_id)
+            if live is None and locked.status == Status.WAITING:
+                raise _Moved  # planned since the look above: the sliced cancel applies
+            if live is None:
                 raise ActionRefused(
-                    "CANCEL_ALREADY_REQUESTED",
-                    f"Run {locked.pk} already has a cancel request; its worker stops at the next heartbeat.",
+                    "ALREADY_FINISHED", f"Run {locked.pk} has already finished ({locked.status})."
                 )
-            Run.objects.filter(pk=locked.pk).update(cancel_requested_at=Now())
-            # The holding worker heartbeats as soon as it hears its run's id.
-            _notify_on_commit(locked.pk)
-            outcome = Outcome.CANCEL_REQUESTED
+            if live.status == Status.PENDING:
+                Attempt.objects.filter(pk=live.pk, status=Status.PENDING).update(
+                    status=Status.CANCELLED, reason=Reason.CANCELLED_BY_OPERATOR, finished_at=Now()
+                )
+                Run.objects.filter(pk=locked.pk).update(
+                    status=Status.CANCELLED, finished_at=Now(), cancel_requested_at=Now()
+                )
+                signals.settled(
+                    run_id=locked.pk,
+                    attempt_id=live.pk,
+                    attempt=live.number,
+                    binding_id=locked.binding_id,
+                    status=Status.CANCELLED,
+                )
+                outcome = Outcome.CANCELLED
+            else:
+                if locked.cancel_requested_at is not None:
+                    raise ActionRefused(
+                        "CANCEL_ALREADY_REQUESTED",
+                        f"Run {locked.pk} already has a cancel request; its worker stops at the next heartbeat.",
+                    )
+                Run.objects.filter(pk=locked.pk).update(cancel_requested_at=Now())
+                # The holding worker heartbeats as soon as it hears its run's id.
+                _notify_on_commit(locked.pk)
+                outcome = Outcome.CANCEL_REQUESTED
+    except _Moved:
+        return cancel_run(run_id, by=by)
     log.info("run cancel run=%s outcome=%s by=%s", locked.pk, outcome, _who(by))
     return outcome
 
 
+def _retry_sliced(run_id: uuid.UUID) -> list[uuid.UUID]:
+    """Retry a FAILED or CANCELLED sliced run: an OPERATOR attempt (a fresh budget) for
+    each slice run that ended FAILED or CANCELLED, the run WAITING again, and new slices
+    started up to max_slices_in_flight. Slices that committed are not redone. Locks the
+    failed slice runs (ascending id), then the run. Returns the slice runs to wake."""
+    ended = (Status.FAILED, Status.CANCELLED)
+    locked = _lock_slices(run_id, ended)
+    parent = Run.objects.select_for_update().get(pk=run_id)
+    if parent.status not in RETRYABLE_RUN_STATUSES:
+        raise ActionRefused(
+            "NOT_RETRYABLE",
+            f"Run {parent.pk} is {parent.status}; only FAILED or CANCELLED runs can be retried.",
+        )
+    _same_slices(run_id, ended, locked)
+    ids = [r.pk for r in locked]
+    numbers = dict(
+        Attempt.objects.filter(run_id__in=ids)
+        .values("run_id")
+        .annotate(n=Max("number"))
+        .values_list("run_id", "n")
+    )
+    Attempt.objects.bulk_create(
+        [
+            Attempt(
+                run_id=r, number=(numbers.get(r) or 0) + 1, origin=Origin.OPERATOR,
+                status=Status.PENDING,
+            )
+            for r in ids
+        ]
+    )  # fmt: skip
+    Run.objects.filter(pk__in=ids).update(
+        status=Status.PENDING, finished_at=None, cancel_requested_at=None
+    )
+    plan = SlicePlan.objects.select_for_update().get(run_id=run_id)
+    plan.failed = max(0, plan.failed - len(ids))
+    plan.live += len(ids)
+    SlicePlan.objects.filter(run_id=run_id).update(failed=plan.failed, live=plan.live, error="")
+    Run.objects.filter(pk=run_id).update(
+        status=Status.WAITING, finished_at=None, cancel_requested_at=None
+    )
+    started: list[uuid.UUID] = []
+    if plan.live < plan.in_flight:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                sqlfiles.query("slices_start"),
+                {"parent": run_id, "limit": plan.in_flight - plan.live},
+            )
+            started = [row[0] for row in cursor.fetchall()]
+    return ids + started
+
+
 def retry_run(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
-    """Add an OPERATOR attempt (a fresh retry budget) to a FAILED or CANCELLED run."""
+    """Add an OPERATOR attempt (a fresh retry budget) to a FAILED or CANCELLED run.
+
+    A sliced run (planned): only its slices that did not commit are redone (`_retry_sliced`);
+    a slice run itself is refused (SLICE_RUN)."""
+    run_id = _refuse_slice(run, "retry")
+    if _is_sliced(run_id):
+
+        def sliced() -> list[uuid.UUID]:
+            with transaction.atomic():
+                woken = _retry_sliced(run_id)
+                for slice_run in woken:
+                    _notify_on_commit(slice_run)
+                return woken
+
+        woken = _retrying(sliced)
+        log.info("sliced run retried run=%s slices=%d by=%s", run_id, len(woken), _who(by))
+        return Outcome.RETRIED
     with transaction.atomic():
-        locked, live = _lock_run(run)
+        locked, live = _lock_run(run_id)
         if live is not None or locked.status not in RETRYABLE_RUN_STATUSES:
             raise ActionRefused(
                 "NOT_RETRYABLE",
                 f"Run {locked.pk} is {locked.status}; only FAILED or CANCELLED runs can be retried.",
             )
+        if _is_sliced(run_id):
+            # Planned, then ended, since the look above: another planning attempt would
+            # find its plan written; the sliced retry locks the slices first.
+            raise ActionRefused("BUSY", f"Run {run_id} has just been sliced; try again.")
         number = (locked.attempts.aggregate(n=Max("number"))["n"] or 0) + 1
         Attempt.objects.create(
             run=locked, number=number, origin=Origin.OPERATOR, status=Status.PENDING
@@ -496,3 +703,115 @@ def record_cursor_copy(
             },
         )
         return cursor.rowcount == 1
+
+
+# --- a sliced run's slices, for the console and the APIs ---------------------------------
+def slice_label(key: str, lower: str | None, upper: str | None) -> str:
+    """A range as text, as errors name it (dispatch_slice_label): "id >= 3 and < 5"."""
+    if lower is None and upper is None:
+        return "all rows"
+    if lower is None:
+        return f"{key} < {upper} or null"
+    if upper is None:
+        return f"{key} >= {lower}"
+    return f"{key} >= {lower} and < {upper}"
+
+
+# What the console shows for a slice, by its run's status ("" = not started yet).
+SLICE_STATES = {
+    Status.SUCCEEDED: "done",
+    Status.RUNNING: "running",
+    Status.PENDING: "waiting",
+    "": "waiting",
+    Status.FAILED: "failed",
+    Status.CANCELLED: "failed",
+}
+
+
+@dataclass(frozen=True)
+class SliceView:
+    number: int
+    lower: str | None
+    upper: str | None
+    label: str
+    run_id: uuid.UUID | None  # None: not started yet
+    status: str  # the slice run's status; "" when not started
+    state: str  # done, running, waiting or failed (SLICE_STATES)
+    attempts: int
+    progress: Progress  # of the slice run's latest attempt (empty when not started)
+    error: str  # the latest attempt's error
+
+
+@dataclass(frozen=True)
+class SlicedRunView:
+    plan: SlicePlan
+    slices: list[SliceView]  # the page asked for, by number
+    # The run's progress as the sum of its slices: rows of the slices that succeeded
+    # (the plan's counter) plus those of the running ones as of their last heartbeat.
+    rows_written: int
+    rows_read_running: int
+    rate: float | None  # rows per second of the running slices together (None: none yet)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        p = self.plan
+        return {
+            "done": p.succeeded,
+            "failed": p.failed,
+            "queued_or_running": p.live,
+            "not_started": p.total - p.succeeded - p.failed - p.live,
+            "total": p.total,
+        }
+
+
+def run_slices(
+    run: Run | uuid.UUID | str, *, offset: int = 0, limit: int | None = 200
+) -> SlicedRunView | None:
+    """A sliced run's plan, counters and slices (a page of them, by number: a run may have
+    100,000), each with its status, rows and rate; None for a run that is not sliced (or
+    not planned yet). Reads only: no lock."""
+    run_id = run.pk if isinstance(run, Run) else uuid.UUID(str(run))
+    plan = SlicePlan.objects.filter(run_id=run_id).first()
+    if plan is None:
+        return None
+    rows = Slice.objects.filter(parent_id=run_id).order_by("number").select_related("run")
+    page = list(rows[offset : None if limit is None else offset + limit])
+    run_ids = [s.run_id for s in page if s.run_id is not None]
+    latest = {
+        a.run_id: a
+        for a in Attempt.objects.filter(run_id__in=run_ids)
+        .order_by("run_id", "-number")
+        .distinct("run_id")
+    }
+    views = []
+    for s in page:
+        attempt = latest.get(s.run_id) if s.run_id is not None else None
+        status = s.run.status if s.run is not None else ""
+        views.append(
+            SliceView(
+                number=s.number,
+                lower=s.lower,
+                upper=s.upper,
+                label=slice_label(plan.key, s.lower, s.upper),
+                run_id=s.run_id,
+                status=status,
+                state=SLICE_STATES.get(status, "waiting"),
+                attempts=attempt.number if attempt is not None else 0,
+                progress=Progress.of(attempt),
+                error=attempt.error if attempt is not None else "",
+            )
+        )
+    running = list(
+        Attempt.objects.filter(
+            run__parent_id=run_id, run__status=Status.RUNNING, status=Status.RUNNING
+        )
+    )
+    progress = [Progress.of(a) for a in running]
+    rates = [p.rate for p in progress if p.rate is not None]
+    return SlicedRunView(
+        plan=plan,
+        slices=views,
+        rows_written=plan.rows_written + sum(p.rows_written for p in progress),
+        rows_read_running=sum(p.rows_read for p in progress),
+        rate=sum(rates) if rates else None,
+    )

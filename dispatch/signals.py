@@ -95,9 +95,11 @@ def settled(
     attempt: int,
     binding_id: uuid.UUID,
     status: str,
+    final_for_run: bool = True,
 ) -> None:
     """An attempt reached `status`: `attempt_finished`, then `run_finished` when that
-    status is final for the run (a RETRY_SCHEDULED attempt has a successor)."""
+    status is final for the run (a RETRY_SCHEDULED attempt has a successor; a sliced
+    run's planning attempt, `final_for_run=False`, leaves its run WAITING)."""
     kwargs: dict[str, Any] = {
         "run_id": run_id,
         "attempt_id": attempt_id,
@@ -106,7 +108,7 @@ def settled(
         "status": status,
     }
     _after_commit("attempt_finished", Attempt, **kwargs)
-    if status in TERMINAL_RUN_STATUSES:
+    if final_for_run and status in TERMINAL_RUN_STATUSES:
         _after_commit("run_finished", Run, **kwargs)
 
 

@@ -32,6 +32,7 @@ FUNCTION_FILES = (
     "marks.sql",
     "claim.sql",
     "settle.sql",
+    "slices.sql",
     "recover.sql",
     "heartbeat.sql",
     "queue.sql",

@@ -27,9 +27,17 @@ class Status(models.TextChoices):
     # In: worker error or expired lease with retry budget left, release. Terminal for the
     # attempt: its successor is the new PENDING attempt created in the same transaction.
     RETRY_SCHEDULED = "RETRY_SCHEDULED", "Retry scheduled"
+    # A run's status only, never an attempt's: a sliced run whose slices are being
+    # copied (docs/architecture.md, "Slices"). In: the planning attempt's settlement
+    # (dispatch_slices_plan_v1), an operator retry of a FAILED or CANCELLED sliced run.
+    # Out: the settlement of its slices (SUCCEEDED when all committed, FAILED when one
+    # failed, CANCELLED after an operator's cancel). Not RUNNING: it holds no capacity.
+    WAITING = "WAITING", "Waiting on slices"
 
 
 LIVE_STATUSES = (Status.PENDING, Status.RUNNING)
+# Run statuses of a run that is not finished (a sliced run WAITING on its slices too).
+UNFINISHED_RUN_STATUSES = (Status.PENDING, Status.RUNNING, Status.WAITING)
 TERMINAL_RUN_STATUSES = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
 # Run statuses from which an operator retry is legal.
 RETRYABLE_RUN_STATUSES = (Status.FAILED, Status.CANCELLED)
@@ -45,6 +53,18 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     Status.FAILED: frozenset(),
     Status.CANCELLED: frozenset(),
     Status.RETRY_SCHEDULED: frozenset(),
+    # Never an attempt's status (a check constraint refuses it on an attempt).
+    Status.WAITING: frozenset(),
+}
+
+# A sliced run's own moves (its status is its slices' combined state once planned):
+# RUNNING (the planning attempt) -> WAITING -> SUCCEEDED | FAILED | CANCELLED, and an
+# operator retry FAILED | CANCELLED -> WAITING.
+SLICED_RUN_TRANSITIONS: dict[str, frozenset[str]] = {
+    Status.RUNNING: frozenset({Status.WAITING}),
+    Status.WAITING: frozenset({Status.SUCCEEDED, Status.FAILED, Status.CANCELLED}),
+    Status.FAILED: frozenset({Status.WAITING}),
+    Status.CANCELLED: frozenset({Status.WAITING}),
 }
 
 
@@ -79,6 +99,10 @@ class Reason(models.TextChoices):
     SHUTDOWN_RELEASED = "SHUTDOWN_RELEASED", "A draining worker released the attempt"
     RELEASED_BY_OPERATOR = "RELEASED_BY_OPERATOR", "An operator released the attempt"
     ALREADY_COMMITTED = "ALREADY_COMMITTED", "The run's data was already committed to the sink"
+    SLICES_PLANNED = (
+        "SLICES_PLANNED",
+        "The run was split into slices; its slices copy the rows (a sliced run's first attempt)",
+    )
 
 
 class BlockedReason(models.TextChoices):

@@ -171,6 +171,14 @@ class SpecField:
     help: str = ""
 
 
+# Keys the runner adds to the specs of a slice run, after their validation (a job's author
+# cannot set them): the source's range {"key", "lower", "upper"} (NULL bounds open), and
+# the sink's place in the sliced run {"parent", "number", "total"}. docs/connectors.md,
+# "Slices".
+SLICE_RANGE = "slice_range"
+SLICE_OF = "slice_of"
+
+
 class Connector:
     """A connector kind: subclass, set the class attributes, override what applies."""
 
@@ -183,6 +191,10 @@ class Connector:
     # None: not declared, the validator alone knows; (): none (an empty object).
     source_fields: ClassVar[tuple[SpecField, ...] | None] = None
     sink_fields: ClassVar[tuple[SpecField, ...] | None] = None
+    # Whether its writer can take the slices of a sliced run (each slice a run of its own,
+    # committing on its own): a sink that cannot fence per run, or that rewrites one whole
+    # file, would keep only a slice or duplicate one on a retry.
+    sliced_writes: ClassVar[bool] = False
 
     @classmethod
     def secret_fields(cls) -> frozenset[str]:  # type: ignore[override]

@@ -117,6 +117,7 @@ class NullConnector(Connector):
     kind = "null"
     label = "Discard (count only)"
     roles = frozenset({"sink"})
+    sliced_writes = True  # it keeps nothing
     sink_fields = ()
 
     @classmethod

@@ -34,6 +34,7 @@ STATUS_TONE: dict[str, str] = {
     Status.FAILED: "bad",
     Status.CANCELLED: "off",
     Status.RETRY_SCHEDULED: "warn",
+    Status.WAITING: "live",
 }
 # A symbol beside the colour, so a badge reads without colour vision (and in print).
 STATUS_SYMBOL: dict[str, str] = {
@@ -43,6 +44,7 @@ STATUS_SYMBOL: dict[str, str] = {
     Status.FAILED: "✗",
     Status.CANCELLED: "■",
     Status.RETRY_SCHEDULED: "↻",
+    Status.WAITING: "⋯",
 }
 ORIGIN_LABEL: dict[str, str] = {
     Origin.TRIGGER: "first try",
@@ -60,6 +62,7 @@ REASON_TONE: dict[str, str] = {
     Reason.SHUTDOWN_RELEASED: "off",
     Reason.RELEASED_BY_OPERATOR: "off",
     Reason.ALREADY_COMMITTED: "ok",
+    Reason.SLICES_PLANNED: "ok",
 }
 # What an operator can do about a blocked attempt.
 BLOCKED_HINT: dict[str, str] = {
@@ -80,6 +83,8 @@ REFUSAL_TEXT: dict[str, str] = {
     "NOT_RETRYABLE": "not failed or cancelled",
     "NOT_WAITING": "not waiting on a backoff (claimed meanwhile, or already due)",
     "NOT_RUNNING": "not running (finished, released or claimed anew meanwhile)",
+    "SLICE_RUN": "a slice of a sliced run (act on the sliced run)",
+    "BUSY": "its slices changed meanwhile; try again",
     "ALREADY_ENABLED": "already enabled",
     "ALREADY_DISABLED": "already disabled",
     "CONNECTION_FAILED": "connection failed",

@@ -244,6 +244,15 @@ class Job(models.Model):
         validators=[MinValueValidator(1), MaxValueValidator(limits.MAX_TIMEOUT_SECONDS)],
         help_text="Bounds one execution (at most 7 days); empty for no bound.",
     )
+    # A sliced source (source_spec `slices`): how many of a run's slices exist as runs at
+    # once (queued or running); the rest wait as plan rows until one ends. Empty: all.
+    max_slices_in_flight = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(limits.MAX_SLICES)],
+        help_text="Slices of one sliced run queued or running at once (at least 1); empty "
+        "for all of them. Each slice still counts in the binding's max_concurrency.",
+    )
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     managed_by = managed_by_field()
 
@@ -282,6 +291,11 @@ class Job(models.Model):
                 condition=Q(timeout_seconds__isnull=True)
                 | Q(timeout_seconds__gte=1, timeout_seconds__lte=limits.MAX_TIMEOUT_SECONDS),
                 name="dispatch_job_timeout_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_slices_in_flight__isnull=True)
+                | Q(max_slices_in_flight__gte=1, max_slices_in_flight__lte=limits.MAX_SLICES),
+                name="dispatch_job_slices_in_flight_range",
             ),
             jsondepth.depth_check("source_spec", "dispatch_job_source_spec_depth"),
             jsondepth.depth_check("sink_spec", "dispatch_job_sink_spec_depth"),
@@ -370,6 +384,17 @@ class JobBinding(models.Model):
             found = spec_errors(connector, role, getattr(job, f"{role}_spec"))
             if found:
                 errors[role] = found
+            elif (
+                role == "sink"
+                and isinstance(job.source_spec, dict)
+                and job.source_spec.get("slices") is not None
+                and not getattr(connector, "sliced_writes", False)
+            ):
+                errors[role] = [
+                    f"a {datasource.kind} sink cannot take a sliced source (slices commit one "
+                    "by one, each fenced by its own run): use a postgresql or null sink, or "
+                    "drop slices from the source spec"
+                ]
         if errors:
             raise ValidationError(errors)
 
@@ -383,7 +408,12 @@ class RunQuerySet(models.QuerySet["Run"]):
 
 
 class Run(models.Model):
-    """One requested execution of a binding; its status is its latest attempt's."""
+    """One requested execution of a binding; its status is its latest attempt's.
+
+    A sliced run (its job's source spec has `slices`) is planned by its first attempt and
+    then WAITING: its slices are runs of their own (`parent` set, `slice_number` from 1),
+    and its status is their combined state (`SlicePlan`, docs/architecture.md, "Slices").
+    A slice run's id is a version-8 UUID, so a worker knows a slice from its claim."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     # No index of its own: dispatch_run_binding_idx (binding, created_at) leads with it,
@@ -401,6 +431,18 @@ class Run(models.Model):
     scheduled_for = models.DateTimeField(null=True, blank=True)
     idempotency_key = models.CharField(max_length=200, null=True, blank=True)
     requested_by = models.CharField(max_length=150, blank=True, default="")
+    # A slice run: the sliced run it belongs to, and its number in that run's plan.
+    # No index of its own: dispatch_run_slice_uniq (parent, slice_number) leads with it.
+    parent = models.ForeignKey(
+        "self",
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="slice_runs",
+        db_index=False,
+        editable=False,
+    )
+    slice_number = models.PositiveIntegerField(null=True, blank=True, editable=False)
 
     objects = RunQuerySet.as_manager()
 
@@ -425,6 +467,20 @@ class Run(models.Model):
             ),
             models.CheckConstraint(
                 condition=~Q(status=Status.RETRY_SCHEDULED), name="dispatch_run_status_not_retry"
+            ),
+            # One run per slice of a plan (an operator retry adds attempts to it).
+            models.UniqueConstraint(
+                fields=["parent", "slice_number"], name="dispatch_run_slice_uniq"
+            ),
+            models.CheckConstraint(
+                condition=Q(parent__isnull=True, slice_number__isnull=True)
+                | Q(parent__isnull=False, slice_number__gte=1),
+                name="dispatch_run_slice_has_number",
+            ),
+            # A slice is never sliced itself.
+            models.CheckConstraint(
+                condition=Q(parent__isnull=True) | ~Q(status=Status.WAITING),
+                name="dispatch_run_slice_not_waiting",
             ),
         ]
         indexes = [
@@ -457,6 +513,85 @@ class Run(models.Model):
     @property
     def is_live(self) -> bool:
         return self.status in LIVE_STATUSES
+
+    @property
+    def is_slice(self) -> bool:
+        return self.parent_id is not None
+
+
+class SlicePlan(models.Model):
+    """The plan of a sliced run, written once by its planning attempt, and the counters
+    its slices' settlements keep (in the settlement's transaction, under the parent run's
+    lock: no scan of the slices). Not started yet: total - started; started = succeeded +
+    failed + live."""
+
+    run = models.OneToOneField(
+        Run, on_delete=models.CASCADE, primary_key=True, related_name="slice_plan"
+    )
+    key = models.CharField(max_length=200)  # the column the ranges are on
+    key_type = models.CharField(max_length=100)  # its type, as the source's catalog says
+    method = models.CharField(max_length=20)  # count | rows_per_slice
+    # How the bounds were chosen (min/max, histogram, ...) and what was asked, for display.
+    basis = models.CharField(max_length=200, blank=True, default="")
+    total = models.PositiveIntegerField()
+    in_flight = models.PositiveIntegerField()  # the job's max_slices_in_flight, or total
+    # The specs the slices run with, frozen at planning: a job edited meanwhile does not
+    # give one run's slices different tables or modes.
+    source_spec = BoundedJSONField(default=dict)
+    sink_spec = BoundedJSONField(default=dict)
+    succeeded = models.PositiveIntegerField(default=0)
+    # Slices whose run ended FAILED or CANCELLED and has not been retried since.
+    failed = models.PositiveIntegerField(default=0)
+    live = models.PositiveIntegerField(default=0)  # slice runs PENDING or RUNNING
+    # Slices started so far: they start in number order and never go back (a retry adds
+    # an attempt to a slice's run), so the next one to start is number started + 1, one
+    # unique-index lookup (a partial index of unstarted rows would fill with dead entries).
+    started = models.PositiveIntegerField(default=0)
+    rows_written = models.BigIntegerField(default=0)  # of the slices that succeeded
+    # Why the run failed: the first slice that failed, named with its range.
+    error = models.TextField(blank=True, default="")
+    planned_at = models.DateTimeField(db_default=Now(), editable=False)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(total__gte=1, in_flight__gte=1), name="dispatch_sliceplan_total_min"
+            ),
+            models.CheckConstraint(
+                condition=Q(succeeded__lte=models.F("total")),
+                name="dispatch_sliceplan_succeeded_max",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"plan of run {self.run_id}: {self.total} slices on {self.key}"
+
+
+class Slice(models.Model):
+    """One range of a sliced run's plan. `run` is its slice run once started (NULL: not
+    started yet; the settlement of a slice starts the next one, by number). A NULL bound is open:
+    the first slice also holds the rows whose key is NULL and below the first bound, the
+    last one those above the last bound, so every row belongs to exactly one slice."""
+
+    id = models.BigAutoField(primary_key=True)
+    parent = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+", db_index=False)
+    number = models.PositiveIntegerField()
+    lower = models.TextField(null=True, blank=True)  # inclusive; NULL: open (and NULL keys)
+    upper = models.TextField(null=True, blank=True)  # exclusive; NULL: open
+    run = models.OneToOneField(
+        Run, on_delete=models.SET_NULL, null=True, blank=True, related_name="slice"
+    )
+    rows_written = models.BigIntegerField(default=0)  # when its run SUCCEEDED
+
+    class Meta:
+        ordering = ["parent", "number"]
+        constraints = [
+            models.UniqueConstraint(fields=["parent", "number"], name="dispatch_slice_number_uniq"),
+            models.CheckConstraint(condition=Q(number__gte=1), name="dispatch_slice_number_min"),
+        ]
+
+    def __str__(self) -> str:
+        return f"slice {self.number} of run {self.parent_id}"
 
 
 class AttemptQuerySet(models.QuerySet["Attempt"]):
@@ -543,6 +678,9 @@ class Attempt(models.Model):
             models.CheckConstraint(condition=Q(number__gte=1), name="dispatch_attempt_number_min"),
             models.CheckConstraint(
                 condition=Q(status__in=Status.values), name="dispatch_attempt_status_valid"
+            ),
+            models.CheckConstraint(
+                condition=~Q(status=Status.WAITING), name="dispatch_attempt_status_not_waiting"
             ),
             models.CheckConstraint(
                 condition=~Q(status=Status.RUNNING)

@@ -23,6 +23,9 @@ MAX_TIMEOUT_SECONDS = 7 * DAY
 # A lease: a day (a worker heartbeats every lease/3 seconds).
 MAX_LEASE_SECONDS = DAY
 MAX_ATTEMPTS = 100
+# The slices one run may be split into (each is a run of its own once started, and a plan
+# row until then).
+MAX_SLICES = 100_000
 # Per-session timeouts set on connector sessions (PostgreSQL takes milliseconds in an
 # int4: at most about 24 days).
 MAX_STATEMENT_TIMEOUT_SECONDS = DAY

@@ -137,3 +137,26 @@ ON CONFLICT (binding_id) DO UPDATE
        changed_by = EXCLUDED.changed_by, committed_at = EXCLUDED.committed_at,
        recorded_at = now()
  WHERE c.version < EXCLUDED.version;
+
+-- name: slices_plan
+-- A sliced run's planning attempt records its plan and starts its first slices, guarded
+-- by status + token (see dispatch_slices_plan_v1): the run's new status (NULL: the
+-- attempt was lost) and the started slice runs.
+SELECT * FROM dispatch_slices_plan_v1(%(attempt)s, %(token)s, %(key)s, %(key_type)s,
+                                      %(method)s, %(basis)s, %(lowers)s::text[],
+                                      %(uppers)s::text[], %(source_spec)s::jsonb,
+                                      %(sink_spec)s::jsonb);
+
+-- name: slices_start
+-- Start up to `limit` slices of a sliced run that have no run yet (see
+-- dispatch_slices_start_v1); the caller holds the parent run's lock.
+SELECT * FROM dispatch_slices_start_v1(%(parent)s, %(limit)s);
+
+-- name: slice_of
+-- What a claimed slice run copies: its range and its plan (the frozen specs), by the
+-- slice's run id (dispatch_slice.run_id is unique).
+SELECT s.parent_id, s.number, s.lower, s.upper, p.total, p.key, p.key_type,
+       p.source_spec, p.sink_spec
+  FROM dispatch_slice s
+  JOIN dispatch_sliceplan p ON p.run_id = s.parent_id
+ WHERE s.run_id = %(run)s;

@@ -52,6 +52,27 @@ class ClaimedAttempt:
 
 
 @dataclass(frozen=True)
+class SliceOf:
+    """What a claimed slice run copies: its range and its plan's frozen specs."""
+
+    parent_id: uuid.UUID
+    number: int
+    lower: str | None
+    upper: str | None
+    total: int
+    key: str
+    key_type: str
+    source_spec: dict[str, Any]
+    sink_spec: dict[str, Any]
+
+
+def is_slice_run(run_id: uuid.UUID) -> bool:
+    """A slice run's id is a version-8 UUID (dispatch_slices_start_v1); every other run's
+    is version 4. The runner tells a slice from its claim without a round trip."""
+    return run_id.version == 8
+
+
+@dataclass(frozen=True)
 class Recovered:
     attempt_id: uuid.UUID
     run_id: uuid.UUID
@@ -94,6 +115,59 @@ def _claimed(row: Sequence[Any]) -> ClaimedAttempt:
     fields[7] = _json(fields[7])
     fields[8] = _json(fields[8])
     return ClaimedAttempt(*fields)
+
+
+@_bounded
+def slice_of(run_id: uuid.UUID) -> SliceOf | None:
+    """The range and plan of a slice run (None: no plan names it)."""
+    with connection.cursor() as cursor:
+        cursor.execute(query("slice_of"), {"run": run_id})
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    fields = list(row)
+    fields[7] = _json(fields[7])
+    fields[8] = _json(fields[8])
+    return SliceOf(*fields)
+
+
+@_bounded
+def plan_slices(
+    attempt_id: uuid.UUID,
+    token: int,
+    *,
+    key: str,
+    key_type: str,
+    method: str,
+    basis: str,
+    bounds: Sequence[tuple[str | None, str | None]],
+    source_spec: dict[str, Any],
+    sink_spec: dict[str, Any],
+) -> tuple[str | None, list[uuid.UUID]]:
+    """Record a sliced run's plan and start its first slices, guarded by the planning
+    attempt's status + token (dispatch_slices_plan_v1, one transaction): the run's new
+    status (WAITING; CANCELLED if it had a cancel request; None: the attempt was lost) and
+    the slice runs started."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            query("slices_plan"),
+            {
+                "attempt": attempt_id,
+                "token": token,
+                "key": key,
+                "key_type": key_type,
+                "method": method,
+                "basis": storable(basis),
+                "lowers": [b[0] for b in bounds],
+                "uppers": [b[1] for b in bounds],
+                "source_spec": json.dumps(source_spec),
+                "sink_spec": json.dumps(sink_spec),
+            },
+        )
+        row = cursor.fetchone()
+    if row is None:
+        return None, []
+    return row[0], list(row[1] or [])
 
 
 @_bounded

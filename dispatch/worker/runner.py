@@ -22,6 +22,8 @@ from django.db import connection
 from dispatch import deadline, services, signals
 from dispatch.connectors import incremental, registry
 from dispatch.connectors.base import (
+    SLICE_OF,
+    SLICE_RANGE,
     ConnectorError,
     FenceRejected,
     LeaseLost,
@@ -286,6 +288,8 @@ class Runner:
         self.refilled = False
         self.secrets: list[str] = []
         self.cursor: incremental.Prepared | None = None
+        # A slice run: its range and its plan (read after the claim).
+        self.slice: claims.SliceOf | None = None
 
     def _log(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         c = self.claimed
@@ -381,6 +385,11 @@ class Runner:
                 # worker ranks first learns its due time (a directed claim that finds it
                 # not yet due sets that worker's timer), not only this busy one.
                 services.notify(self.claimed.run_id)
+            elif self.slice is not None and status in FINAL_STATUSES:
+                # The settlement may have started the next slice (a run this worker's
+                # claim may not have taken): the parent's id wakes a worker, whose
+                # directed claim misses and falls back to generic work.
+                services.notify(self.slice.parent_id)
         return status
 
     def execute(self) -> str | None:
@@ -422,23 +431,48 @@ class Runner:
             sink = registry.get(c.sink_kind)
         except registry.UnknownKind as exc:
             return self.settle("PERMANENT", Reason.PERMANENT_ERROR, str(exc))
+        source_spec, sink_spec = c.source_spec, c.sink_spec
+        if claims.is_slice_run(c.run_id):
+            # A slice: the specs frozen in its plan (a job edited meanwhile does not mix
+            # one run's slices), and its range.
+            try:
+                self.slice = claims.slice_of(c.run_id)
+            except DB_ERRORS as exc:
+                return self.settle(
+                    "ERROR", Reason.ERROR, f"the slice's plan could not be read: {db_error(exc)}"
+                )
+            if self.slice is None:
+                return self.settle(
+                    "PERMANENT", Reason.PERMANENT_ERROR, "a slice run that no plan names"
+                )
+            source_spec, sink_spec = self.slice.source_spec, self.slice.sink_spec
         # A spec saved without the form's validation (from code, by an update) is checked
         # here with the same validator before anything connects: a bad one fails for good,
         # with the validator's words, instead of failing inside a connector as transient.
-        problems = spec_errors(source, "source", c.source_spec) + spec_errors(
-            sink, "sink", c.sink_spec
-        )
+        problems = spec_errors(source, "source", source_spec) + spec_errors(sink, "sink", sink_spec)
         if problems:
             return self.settle(
                 "PERMANENT", Reason.PERMANENT_ERROR, "invalid job spec: " + "; ".join(problems)
             )
         self.secrets = _secret_values(source, source_config) + _secret_values(sink, sink_config)
+        if self.slice is None and isinstance(source_spec, dict) and source_spec.get("slices"):
+            return self._plan(source, sink, source_config, source_spec, sink_spec)
+        if self.slice is not None:
+            sl = self.slice
+            source_spec = {
+                **source_spec,
+                SLICE_RANGE: {"key": sl.key, "lower": sl.lower, "upper": sl.upper},
+            }
+            sink_spec = {
+                **sink_spec,
+                SLICE_OF: {"parent": str(sl.parent_id), "number": sl.number, "total": sl.total},
+            }
         ctx = Context(self.control)
         try:
             # The writer is opened with the reader's columns (a sink may create its table).
             with (
-                source.open_reader(source_config, c.source_spec, ctx) as reader,  # type: ignore[arg-type]
-                sink.open_writer(sink_config, c.sink_spec, ctx, reader.columns) as writer,  # type: ignore[arg-type]
+                source.open_reader(source_config, source_spec, ctx) as reader,  # type: ignore[arg-type]
+                sink.open_writer(sink_config, sink_spec, ctx, reader.columns) as writer,  # type: ignore[arg-type]
             ):
                 self.cursor = incremental.prepare(reader, writer)
                 if self.cursor is not None:
@@ -489,6 +523,85 @@ class Runner:
         return self.settle(
             "SUCCEEDED", Reason.ALREADY_COMMITTED if result.already_committed else None
         )
+
+    def _plan(
+        self,
+        source: Any,
+        sink: Any,
+        source_config: dict[str, Any],
+        source_spec: dict[str, Any],
+        sink_spec: dict[str, Any],
+    ) -> str | None:
+        """A sliced run's first attempt: compute the ranges on the source, then record the
+        plan and start the first slices in one guarded transaction
+        (`claims.plan_slices`); the run waits on its slices from there."""
+        c = self.claimed
+        planner = getattr(source, "plan_slices", None)
+        if planner is None:
+            return self.settle(
+                "PERMANENT", Reason.PERMANENT_ERROR, f"a {c.source_kind} source cannot be sliced"
+            )
+        if not getattr(sink, "sliced_writes", False):
+            return self.settle(
+                "PERMANENT",
+                Reason.PERMANENT_ERROR,
+                f"a {c.sink_kind} sink cannot take a sliced source",
+            )
+        ctx = Context(self.control)
+        try:
+            plan = planner(source_config, source_spec, ctx)
+            if self.control.should_stop():
+                raise Stopped("stop before the plan is recorded")
+        except (Stopped, LeaseLost) as exc:
+            return self._stopped(exc)
+        except ConnectorError as exc:
+            if self.control.cause is not None:
+                return self._stopped(exc)
+            outcome, reason = (
+                ("PERMANENT", Reason.PERMANENT_ERROR) if exc.permanent else ("ERROR", Reason.ERROR)
+            )
+            return self.settle(outcome, reason, str(exc))
+        try:
+            status, started = claims.plan_slices(
+                c.attempt_id,
+                c.lease_token,
+                key=plan.key,
+                key_type=plan.key_type,
+                method=plan.method,
+                basis=plan.basis,
+                bounds=plan.bounds,
+                source_spec=source_spec,
+                sink_spec=sink_spec,
+            )
+        except DB_ERRORS as exc:
+            # Not recorded, or recorded with its answer lost: the guarded settlement
+            # tells which (it matches nothing if the plan committed).
+            return self.settle(
+                "ERROR", Reason.ERROR, f"the slice plan could not be recorded: {db_error(exc)}"
+            )
+        if status is None:
+            self.on_event("lease_lost")
+            self._log("attempt lost before its slice plan was recorded", level=logging.WARNING)
+            return None
+        self.on_event("slices_planned" if status == Status.WAITING else f"settled_{status.lower()}")
+        self._log(
+            "sliced run planned status=%s slices=%d started=%d key=%s basis=%s",
+            status,
+            len(plan.bounds),
+            len(started),
+            plan.key,
+            one_line(plan.basis),
+        )
+        signals.settled(
+            run_id=c.run_id,
+            attempt_id=c.attempt_id,
+            attempt=c.number,
+            binding_id=c.binding_id,
+            status=Status.SUCCEEDED if status == Status.WAITING else status,
+            final_for_run=status != Status.WAITING,
+        )
+        services.notify_many(started)
+        return status
 
     def _record_cursor(self, prepared: incremental.Prepared) -> None:
         """The attempt's cursors on its row, and the sink's committed cursor as this

@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 from django.core.exceptions import ValidationError
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from dispatch.connectors import incremental
@@ -26,6 +27,7 @@ from dispatch.connectors.base import (
     check_unknown,
     require_object,
 )
+from dispatch.connectors.postgresql import slices
 from dispatch.connectors.postgresql.cancel import _Canceller
 from dispatch.connectors.postgresql.connect import (
     AUTH_METHODS,
@@ -36,6 +38,7 @@ from dispatch.connectors.postgresql.connect import (
     _errors,
     _secrets,
     _set_timeouts,
+    _table_sql,
     _timeouts,
     classify,
     connect,
@@ -61,6 +64,9 @@ class PostgreSQLConnector(Connector):
     kind = "postgresql"
     label = "PostgreSQL"
     roles = frozenset({"source", "sink"})
+    # Its writer commits each slice of a sliced run on its own, fenced by the slice's run
+    # (and stages `replace` until the last slice): docs/connectors.md, "Slices".
+    sliced_writes = True
     config_fields = (
         ConfigField("host", destination=True, help="Host name or address (or use url)."),
         ConfigField("port", kind=int, destination=True, help="Port, default 5432."),
@@ -97,6 +103,12 @@ class PostgreSQLConnector(Connector):
             "read only the rows past the committed cursor: an object with "
             + ", ".join(sorted(incremental.SPEC_FIELDS))
             + " (cursor required: a list of columns)",
+        ),
+        SpecField(
+            "slices",
+            "split each run into slices copied in parallel: {key: column, count: N} or "
+            "{key: column, rows_per_slice: M}, on an integer, timestamp or uuid column "
+            "(table sources only)",
         ),
         SpecField(
             "statement_timeout_seconds",
@@ -189,6 +201,7 @@ class PostgreSQLConnector(Connector):
             if ";" in _strip_query(query):
                 raise ValidationError("query: must be one statement (no ';')")
         incremental.validate(spec)
+        slices.validate(spec)
         _timeouts(spec)
         return spec
 
@@ -237,6 +250,28 @@ class PostgreSQLConnector(Connector):
             yield reader
         finally:
             reader.close()
+
+    @classmethod
+    def plan_slices(
+        cls, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext
+    ) -> slices.Plan:
+        """The ranges of a sliced run (`slices.plan`), on a connection of its own in one
+        read-only transaction; the run's slices then read one range each."""
+        sliced = slices.parse(spec)
+        assert sliced is not None
+        secrets = _secrets(config)
+        canceller = _Canceller(ctx, config, "source")
+        conn = connect(config, what="source connect")
+        canceller.attach(conn)
+        try:
+            with _errors(secrets, "source slices", canceller):
+                canceller.watch(_set_timeouts(conn, spec))
+                conn.read_only = True
+                schema, name = parse_table(spec["table"])
+                relation = _table_sql(schema, name) if schema else sql.Identifier(name)
+                return slices.plan(conn, str(spec["table"]), relation, sliced)
+        finally:
+            canceller.close(conn)
 
     @classmethod
     def set_cursor(

@@ -11,7 +11,8 @@ import psycopg
 from psycopg import pq, sql
 
 from dispatch.connectors import incremental, sqlsafety
-from dispatch.connectors.base import Batch, Column, PermanentError, TransferContext
+from dispatch.connectors.base import SLICE_RANGE, Batch, Column, PermanentError, TransferContext
+from dispatch.connectors.postgresql import slices
 from dispatch.connectors.postgresql.cancel import _Canceller
 from dispatch.connectors.postgresql.connect import (
     _errors,
@@ -82,6 +83,13 @@ class _Reader:
         if self.spec.get("table"):
             schema, name = parse_table(self.spec["table"])
             ident = _table_sql(schema, name) if schema else sql.Identifier(name)
+            bounds = self.spec.get(SLICE_RANGE)
+            if bounds is not None:
+                # One slice of a sliced run: its range of the key, in this reader's own
+                # snapshot (docs/connectors.md, "Slices").
+                return sql.SQL("SELECT * FROM {} WHERE {}").format(
+                    ident, slices.where(bounds["key"], bounds["lower"], bounds["upper"])
+                )
             return sql.SQL("SELECT * FROM {}").format(ident)
         # The query is SQL by design (the job's author wrote it); it runs inside a READ ONLY
         # transaction, so it cannot change anything.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +13,7 @@ from psycopg import sql
 
 from dispatch.connectors import incremental, sqlsafety
 from dispatch.connectors.base import (
+    SLICE_OF,
     Batch,
     Column,
     FenceRejected,
@@ -31,6 +34,15 @@ from dispatch.connectors.postgresql.connect import (
 )
 
 SINK_MODES = ("append", "replace", "upsert")
+# The sink-side record of the slices of a sliced `replace` that have committed their rows
+# to its staging table, beside dispatch_fence.
+SLICE_COMMIT_TABLE = "dispatch_slice_commit"
+
+
+def staging_name(parent: str) -> str:
+    """The staging table of a sliced `replace`, named from the sliced run's id (47
+    characters, under PostgreSQL's 63)."""
+    return "dispatch_slices_" + uuid.UUID(str(parent)).hex
 
 
 class _Writer:
@@ -67,6 +79,11 @@ class _Writer:
         self._cursor_new: tuple[tuple[str, ...], list[str] | None] | None = None
         # After commit(): the cursor it committed (for the dispatch database's copy).
         self.cursor_committed: incremental.CommittedCursor | None = None
+        # A slice of a sliced run: {"parent", "number", "total"}; `replace` then stages.
+        self.slice_of: dict[str, Any] | None = spec.get(SLICE_OF)
+        self.staged = self.slice_of is not None and self.mode == "replace"
+        # After commit(): whether this slice's commit swapped the staged rows in.
+        self.swapped = False
 
     # -- set-up --------------------------------------------------------------------------
     def open(self) -> None:
@@ -81,6 +98,8 @@ class _Writer:
             self._raise_fence()
             if self.already_committed:
                 return
+            if self.slice_of is not None:
+                self._prepare_slices()
             self._prepare()
 
     @property
@@ -258,7 +277,9 @@ class _Writer:
         # Values bound for json/jsonb columns are serialised here: psycopg would dump a
         # Python list as a PostgreSQL array.
         self._convert = [_json_text if target[n][0] in ("json", "jsonb") else None for n in names]
-        if self.mode == "replace":
+        if self.staged:
+            pass  # the rows go to the staging table; the last slice replaces the target
+        elif self.mode == "replace":
             # SHARE ROW EXCLUSIVE: other writers wait until we commit (so the table ends
             # up holding exactly the source's rows), readers (ACCESS SHARE) never wait.
             conn.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(table))
@@ -295,11 +316,14 @@ class _Writer:
         assert self.conn is not None
         if self._copy is not None:
             return self._copy
-        target = (
-            sql.Identifier("dispatch_stage")
-            if self.mode == "upsert"
-            else _table_sql(self.schema, self.name)
-        )
+        target: sql.Composable
+        if self.mode == "upsert":
+            target = sql.Identifier("dispatch_stage")
+        elif self.staged:
+            assert self.slice_of is not None
+            target = _table_sql(self.schema, staging_name(self.slice_of["parent"]))
+        else:
+            target = _table_sql(self.schema, self.name)
         stmt = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {})").format(
             target,
             sql.SQL(", ").join(sql.Identifier(c.name) for c in self.source_columns),
@@ -370,6 +394,8 @@ class _Writer:
                 except TransientError:
                     conn.rollback()
                     raise
+            if self.staged:
+                self._commit_slice()
             # The fence, last: row-locked only from here to COMMIT (milliseconds). A newer
             # attempt that raised the token, or a commit that beat us, leaves no row.
             updated = conn.execute(
@@ -396,7 +422,121 @@ class _Writer:
                 conn.rollback()
                 raise FenceRejected(f"attempt no longer this worker's at commit: {exc}") from None
             conn.commit()
+        if self.swapped:
+            self._drop_staging()
         return WriteResult(rows_written=self.rows)
+
+    # -- slices ------------------------------------------------------------------------------
+    def _prepare_slices(self) -> None:
+        """Before a slice's data transaction, each in a short transaction of its own: a
+        missing target made (`create`; an empty new table is no worse than none, and made
+        inside the data transaction it would hold every other slice back until this one
+        commits), and for `replace` the record of committed slices and the staging table
+        (the target's columns, named from the sliced run)."""
+        assert self.conn is not None and self.slice_of is not None
+        conn = self.conn
+        table = _table_sql(self.schema, self.name)
+        target = self._target_columns()
+        conn.commit()
+        if target is None and self.spec.get("create") and self.source_columns:
+            key = self.spec.get("key") if self.mode == "upsert" else None
+            with conn.transaction():
+                conn.execute(
+                    "SELECT pg_catalog.pg_advisory_xact_lock("
+                    "pg_catalog.hashtext(%s), pg_catalog.hashtext(%s))",
+                    [self.schema, self.name],
+                )
+                if self._target_columns() is None:
+                    self._create_table(table, key)
+            target = self._target_columns()
+            conn.commit()
+        if not self.staged or target is None:
+            return  # a missing target is reported by _prepare
+        sqlsafety.create_once(
+            conn,
+            SLICE_COMMIT_TABLE,
+            self.schema,
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (parent_id uuid NOT NULL, number integer NOT NULL,"
+                " run_id uuid NOT NULL, rows bigint NOT NULL, committed_at timestamptz NOT NULL,"
+                " PRIMARY KEY (parent_id, number))"
+            ).format(_table_sql(self.schema, SLICE_COMMIT_TABLE)),
+        )
+        stage = staging_name(self.slice_of["parent"])
+        names = [c.name for c in self.source_columns if c.name in target]
+        sqlsafety.create_once(
+            conn,
+            stage,
+            self.schema,
+            sql.SQL("CREATE TABLE IF NOT EXISTS {} AS SELECT {} FROM {} WITH NO DATA").format(
+                _table_sql(self.schema, stage),
+                sql.SQL(", ").join(map(sql.Identifier, names)),
+                table,
+            ),
+        )
+
+    def _commit_slice(self) -> None:
+        """A staged `replace` slice, in its data transaction before the fence: record the
+        slice as committed, and if every slice of the run now has, replace the target's
+        rows with the staged ones. Slices of one run take a transaction lock on the run
+        first, and count in a statement after it (READ COMMITTED: a fresh snapshot), so
+        exactly the last one to commit sees them all. DELETE + INSERT, as the single
+        `replace` does: readers see the old rows until this COMMIT, then all new ones."""
+        assert self.conn is not None and self.slice_of is not None
+        conn = self.conn
+        parent = str(self.slice_of["parent"])
+        records = _table_sql(self.schema, SLICE_COMMIT_TABLE)
+        conn.execute(
+            "SELECT pg_catalog.pg_advisory_xact_lock("
+            "pg_catalog.hashtext(%s), pg_catalog.hashtext(%s))",
+            [SLICE_COMMIT_TABLE, parent],
+        )
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (parent_id, number, run_id, rows, committed_at)"
+                " VALUES (%s, %s, %s, %s, pg_catalog.now())"
+            ).format(records),
+            [parent, int(self.slice_of["number"]), self.ctx.fence.run_id, self.rows],
+        )
+        row = conn.execute(
+            sql.SQL("SELECT pg_catalog.count(*) FROM {} WHERE parent_id = %s").format(records),
+            [parent],
+        ).fetchone()
+        if row is None or int(row[0]) < int(self.slice_of["total"]):
+            return
+        table = _table_sql(self.schema, self.name)
+        stage = _table_sql(self.schema, staging_name(parent))
+        cols = sql.SQL(", ").join(sql.Identifier(c.name) for c in self.source_columns)
+        conn.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(table))
+        conn.execute(sql.SQL("DELETE FROM {}").format(table))
+        conn.execute(
+            sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {}").format(table, cols, cols, stage)
+        )
+        # Emptied here; dropped after the commit (DROP takes an ACCESS EXCLUSIVE lock,
+        # which a stale slice still copying into it would make this commit wait for).
+        conn.execute(sql.SQL("DELETE FROM {}").format(stage))
+        self.swapped = True
+
+    def _drop_staging(self) -> None:
+        """After the swap committed: drop the empty staging table and the run's records,
+        best effort (a stale slice still holding the table makes the drop give up after a
+        second; the table is empty and a later sliced run of another id never uses it)."""
+        assert self.conn is not None and self.slice_of is not None
+        conn = self.conn
+        parent = str(self.slice_of["parent"])
+        with contextlib.suppress(psycopg.Error), conn.transaction():
+            conn.execute("SELECT pg_catalog.set_config('lock_timeout', '1s', true)")
+            conn.execute(
+                sql.SQL("DROP TABLE IF EXISTS {}").format(
+                    _table_sql(self.schema, staging_name(parent))
+                )
+            )
+            conn.execute(
+                sql.SQL("DELETE FROM {} WHERE parent_id = %s").format(
+                    _table_sql(self.schema, SLICE_COMMIT_TABLE)
+                ),
+                [parent],
+            )
 
     def _merge(self) -> None:
         assert self.conn is not None

@@ -1,8 +1,10 @@
 -- The settlement of a RUNNING attempt, the one place that applies the retry policy, and
 -- a settlement followed by the claim of the slot's next attempt in one call.
 --
--- Lock order as in claim.sql: the run FOR UPDATE, then the attempt FOR UPDATE. A
--- settlement commits nothing else first; the claim that follows it in the same
+-- Lock order as in claim.sql: the run FOR UPDATE, then the attempt FOR UPDATE; a slice
+-- run's terminal settlement then locks its parent run and the parent's plan
+-- (dispatch_slice_settled, slices.sql: a slice before its parent). A settlement commits
+-- nothing else first; the claim that follows it in the same
 -- transaction never waits for a run or an attempt (SKIP LOCKED), so it adds no wait to
 -- that order.
 
@@ -107,6 +109,13 @@ BEGIN
         UPDATE dispatch_run SET status = 'PENDING', finished_at = NULL WHERE id = v_run.id;
     ELSE
         UPDATE dispatch_run SET status = v_status, finished_at = v_now WHERE id = v_run.id;
+        IF v_run.parent_id IS NOT NULL THEN
+            -- A slice ended: its parent's counters and status, in this transaction.
+            PERFORM dispatch_slice_settled(
+                v_run.parent_id, v_run.slice_number, v_status,
+                coalesce(p_rows_written, v_att.rows_written),
+                coalesce(nullif(coalesce(p_error, v_att.error), ''), v_reason), v_now);
+        END IF;
     END IF;
     RETURN v_status;
 END
