@@ -34,6 +34,7 @@ STATUS_TONE: dict[str, str] = {
     Status.FAILED: "bad",
     Status.CANCELLED: "off",
     Status.RETRY_SCHEDULED: "warn",
+    Status.WAITING: "live",
 }
 # A symbol beside the colour, so a badge reads without colour vision (and in print).
 STATUS_SYMBOL: dict[str, str] = {
@@ -43,6 +44,7 @@ STATUS_SYMBOL: dict[str, str] = {
     Status.FAILED: "✗",
     Status.CANCELLED: "■",
     Status.RETRY_SCHEDULED: "↻",
+    Status.WAITING: "⋯",
 }
 ORIGIN_LABEL: dict[str, str] = {
     Origin.TRIGGER: "first try",
@@ -60,6 +62,7 @@ REASON_TONE: dict[str, str] = {
     Reason.SHUTDOWN_RELEASED: "off",
     Reason.RELEASED_BY_OPERATOR: "off",
     Reason.ALREADY_COMMITTED: "ok",
+    Reason.SLICES_PLANNED: "ok",
 }
 # What an operator can do about a blocked attempt.
 BLOCKED_HINT: dict[str, str] = {
@@ -84,10 +87,12 @@ REFUSAL_TEXT: dict[str, str] = {
     "ALREADY_DISABLED": "already disabled",
     "CONNECTION_FAILED": "connection failed",
     "ALREADY_REVOKED": "already revoked",
+    "SLICE_RUN": "a slice of a sliced run (act on the sliced run)",
+    "BUSY": "its slices kept changing (try again)",
 }
 # Refusals whose message is shown, not only the object's name (a cursor's: our own text,
 # saying what was wrong with the value).
-DETAILED_REFUSALS = frozenset({"CONNECTION_FAILED", "BAD_CURSOR"})
+DETAILED_REFUSALS = frozenset({"CONNECTION_FAILED", "BAD_CURSOR", "SLICE_RUN"})
 OUTCOME_TEXT: dict[str, str] = {
     services.Outcome.TRIGGERED: "triggered",
     services.Outcome.EXISTING: "already had a run",
