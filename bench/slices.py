@@ -397,10 +397,17 @@ def main(argv: list[str]) -> int:
             f"| {spread([100 * b for b in busy])} % "
             f"| {spread([x.peak_kib / 1024 for x in rs], 0)} |"
         )
-    best = max(CASES[1:], key=lambda n: statistics.median(x.seconds for x in results[1]) / statistics.median(x.seconds for x in results[n]))  # fmt: skip
-    best_speedup = statistics.median(x.seconds for x in results[1]) / statistics.median(
-        x.seconds for x in results[best]
-    )
+
+    def median_seconds(case: int) -> float:
+        return statistics.median(x.seconds for x in results[case])
+
+    best = max(CASES[1:], key=lambda n: median_seconds(1) / median_seconds(n))
+    best_speedup = median_seconds(1) / median_seconds(best)
+    # What the copy itself costs in CPU (workers + their server backends): on `cores`
+    # CPUs with nothing else running, no number of slices finishes faster than that
+    # divided by the cores.
+    floors = {n: statistics.median(x.worker_cpu + x.server_cpu for x in results[n]) for n in CASES}
+    others = [x.machine_cpu - x.worker_cpu - x.server_cpu for n in CASES for x in results[n]]
     lines = [
         f"## Slices: one table, 1 stream against 2, 4 and 8 slices ({args.rows:,} rows)",
         "",
@@ -422,7 +429,15 @@ def main(argv: list[str]) -> int:
         "|---|---|---|---|---|---|---|---|",
         *table,
         "",
-        f"- best: {best} slices, **{best_speedup:.2f} x** one stream",
+        f"- best: {best} slices, **{best_speedup:.2f} x** one stream (ratio of the median "
+        "times; the table's speed-up is the median of each round's ratio)",
+        "- CPU of the copy itself (workers + server), median: "
+        + ", ".join(f"{n} slice(s) {floors[n]:.1f} CPU-s" for n in CASES)
+        + f"; on {cores} idle CPUs the fastest possible 8-slice run takes "
+        f"{floors[CASES[-1]] / cores:.1f} s, at most **{median_seconds(1) / (floors[CASES[-1]] / cores):.2f} x** "
+        "the median 1-stream run",
+        f"- CPU of everything else on the machine during the runs (other processes, "
+        f"the sampler): {spread(others, 1)} CPU-s per run",
         f"- load average before: {load_before}; after: {load_after}",
         f"- command: `.venv/bin/python -m bench slices --rows {args.rows} --rounds "
         f"{args.rounds} --concurrency {args.concurrency}`",
