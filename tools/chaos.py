@@ -137,6 +137,20 @@ SELECT i, 'row-' || i, (i * 7919 %% 100000) / 100.0, timestamptz '2024-01-01' + 
 ANALYZE public.sliced;
 """
 SLICED = ("chaos-sliced-append", "chaos-sliced-replace")
+# The append sink of the sliced binding exists before the campaign, with a row trigger
+# that sleeps 0.2 ms per row: a slice of 6,667 rows copies for over a second, so a kill or
+# a stop lands mid-COPY and the heartbeats carry its progress (the rows are unchanged).
+SLICED_SINK = """
+CREATE TABLE public.chaos_sliced_append (id bigint, name text, amount numeric(12,2),
+    at timestamptz, doc jsonb, flag boolean);
+CREATE FUNCTION public.chaos_slow_row() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_sleep(0.0002);
+    RETURN NEW;
+END $$;
+CREATE TRIGGER chaos_slow_row BEFORE INSERT ON public.chaos_sliced_append
+    FOR EACH ROW EXECUTE FUNCTION public.chaos_slow_row();
+"""
 MUTATIONS_PER_SECOND = 8.0
 
 
@@ -342,6 +356,7 @@ class Campaign:
                 mutate_source(c, "insert")
         with psycopg.connect(self.server.url(SINK_DATABASE), autocommit=True) as c:
             c.execute(TYPES.format(table="chaos_types_definition"))
+            c.execute(SLICED_SINK)
         db = connection.settings_dict
         connection.close()
         db.update(NAME=DATABASE, HOST="127.0.0.1", PORT=str(self.o.port), USER="postgres")

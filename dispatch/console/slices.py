@@ -16,9 +16,9 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from dispatch import services
-from dispatch.console.badges import progress_bar, status_badge
+from dispatch.console.badges import status_badge
 from dispatch.models import Run, Slice, SlicePlan
-from dispatch.progress import rate_text
+from dispatch.progress import Progress, rate_text
 
 # Slices per page of a sliced run's table.
 SLICE_PAGE = 100
@@ -79,7 +79,7 @@ def table(run: Run, page: int, site: str = "admin") -> dict[str, Any] | None:
             rows_read=f"{s.progress.rows_read:,}",
             rows_written=f"{s.progress.rows_written:,}",
             rate=rate_text(s.progress.rate),
-            progress=progress_bar(s.progress),
+            progress=slice_bar(s.progress),
             url=(
                 reverse(f"{site}:dispatch_run_change", args=[s.run_id])
                 if s.run_id is not None
@@ -103,6 +103,19 @@ def table(run: Run, page: int, site: str = "admin") -> dict[str, Any] | None:
         "previous": page - 1 if page > 1 else None,
         "next": page + 1 if page < pages else None,
     }
+
+
+def slice_bar(p: Progress) -> SafeString:
+    """A slice's bar, compact (its rows are in their own columns): rows read against its
+    estimate and the percentage; full once done; "—" before its first heartbeat."""
+    fraction = p.fraction
+    if not p.started or fraction is None:
+        return format_html("{}", "—")
+    return format_html(
+        '<span class="dsp-progress"><progress max="100" value="{}"></progress> {} %</span>',
+        round(100 * fraction),
+        f"{100 * fraction:.0f}",
+    )
 
 
 def run_rate(view: services.SlicedRunView, run: Run) -> float | None:
