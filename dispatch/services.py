@@ -54,7 +54,7 @@ class ActionRefused(Exception):
 
     Codes: ALREADY_FINISHED, CANCEL_ALREADY_REQUESTED, NOT_RETRYABLE, NOT_WAITING,
     NOT_RUNNING, SLICE_RUN (a cancel or retry of one slice of a sliced run: act on the
-    sliced run).
+    sliced run), BUSY (a sliced run's slices kept changing under the action).
     """
 
     def __init__(self, code: str, message: str) -> None:

@@ -32,7 +32,7 @@ SNAPSHOT_SHA256 = {
     "0017_dispatch_v6.sql": "ac5947519df4ade946faffd4f601b96f4113374834b7c70331b7ae8742a499fd",
     "0020_functions.sql": "418fc1f1d75aec0e21947e00ecefbc69f82b9d5d9ffb7651a6aa40ffd8350b5b",
     "0022_functions.sql": "7ed6e6d7b5ec0066118785ede8a28dadafb550c7bc9acf9aa454b6764634afc9",
-    "0026_functions.sql": "0c3d7ab3414766309ab4c537f58ee3809d8553961f568354f05615f5eb5d61d2",
+    "0026_functions.sql": "e39461e6518a4a318b9ad4f1da3b60630ef5ec524af35c8f440b0e94a76d3ad3",
 }
 
 

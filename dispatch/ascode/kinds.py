@@ -362,6 +362,7 @@ class JobKind(Kind):
         Field("backoff_max_seconds", (int, float)),
         Field("lease_seconds", (int,)),
         Field("timeout_seconds", (int,), nullable=True),
+        Field("max_slices_in_flight", (int,), nullable=True),
     )
 
     def validate(self, obj: Any, *, exclude: list[str]) -> None:

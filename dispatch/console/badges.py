@@ -83,6 +83,8 @@ REFUSAL_TEXT: dict[str, str] = {
     "NOT_RETRYABLE": "not failed or cancelled",
     "NOT_WAITING": "not waiting on a backoff (claimed meanwhile, or already due)",
     "NOT_RUNNING": "not running (finished, released or claimed anew meanwhile)",
+    "SLICE_RUN": "a slice of a sliced run (act on the sliced run)",
+    "BUSY": "its slices changed meanwhile; try again",
     "ALREADY_ENABLED": "already enabled",
     "ALREADY_DISABLED": "already disabled",
     "CONNECTION_FAILED": "connection failed",

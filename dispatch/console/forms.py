@@ -382,6 +382,7 @@ class JobForm(forms.ModelForm):  # type: ignore[type-arg]
             "backoff_max_seconds",
             "lease_seconds",
             "timeout_seconds",
+            "max_slices_in_flight",
         ]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -98,6 +98,10 @@ class RunOut(Schema):
     scheduled_for: datetime | None
     idempotency_key: str | None
     requested_by: str
+    # A slice run: the sliced run it belongs to and its number there (None otherwise). A
+    # sliced run is WAITING while its slices copy the rows.
+    parent_id: uuid.UUID | None = None
+    slice_number: int | None = None
 
 
 class RunDetail(RunOut):
@@ -230,6 +234,8 @@ def _run_fields(run: Run) -> dict[str, Any]:
         "scheduled_for": run.scheduled_for,
         "idempotency_key": run.idempotency_key,
         "requested_by": run.requested_by,
+        "parent_id": run.parent_id,
+        "slice_number": run.slice_number,
     }
 
 

@@ -49,6 +49,7 @@ class Migration(migrations.Migration):
                 ('succeeded', models.PositiveIntegerField(default=0)),
                 ('failed', models.PositiveIntegerField(default=0)),
                 ('live', models.PositiveIntegerField(default=0)),
+                ('started', models.PositiveIntegerField(default=0)),
                 ('rows_written', models.BigIntegerField(default=0)),
                 ('error', models.TextField(blank=True, default='')),
                 ('planned_at', models.DateTimeField(db_default=django.db.models.functions.datetime.Now(), editable=False)),
@@ -127,10 +128,6 @@ class Migration(migrations.Migration):
         migrations.AddConstraint(
             model_name='sliceplan',
             constraint=models.CheckConstraint(condition=models.Q(('succeeded__lte', models.F('total'))), name='dispatch_sliceplan_succeeded_max'),
-        ),
-        migrations.AddIndex(
-            model_name='slice',
-            index=models.Index(condition=models.Q(('run__isnull', True)), fields=['parent', 'number'], name='dispatch_slice_unstarted_idx'),
         ),
         migrations.AddConstraint(
             model_name='slice',

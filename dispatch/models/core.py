@@ -522,7 +522,8 @@ class Run(models.Model):
 class SlicePlan(models.Model):
     """The plan of a sliced run, written once by its planning attempt, and the counters
     its slices' settlements keep (in the settlement's transaction, under the parent run's
-    lock: no scan of the slices). unstarted = total - succeeded - failed - live."""
+    lock: no scan of the slices). Not started yet: total - started; started = succeeded +
+    failed + live."""
 
     run = models.OneToOneField(
         Run, on_delete=models.CASCADE, primary_key=True, related_name="slice_plan"
@@ -542,6 +543,10 @@ class SlicePlan(models.Model):
     # Slices whose run ended FAILED or CANCELLED and has not been retried since.
     failed = models.PositiveIntegerField(default=0)
     live = models.PositiveIntegerField(default=0)  # slice runs PENDING or RUNNING
+    # Slices started so far: they start in number order and never go back (a retry adds
+    # an attempt to a slice's run), so the next one to start is number started + 1, one
+    # unique-index lookup (a partial index of unstarted rows would fill with dead entries).
+    started = models.PositiveIntegerField(default=0)
     rows_written = models.BigIntegerField(default=0)  # of the slices that succeeded
     # Why the run failed: the first slice that failed, named with its range.
     error = models.TextField(blank=True, default="")
@@ -564,7 +569,7 @@ class SlicePlan(models.Model):
 
 class Slice(models.Model):
     """One range of a sliced run's plan. `run` is its slice run once started (NULL: not
-    started yet; the settlement of a slice starts the next one). A NULL bound is open:
+    started yet; the settlement of a slice starts the next one, by number). A NULL bound is open:
     the first slice also holds the rows whose key is NULL and below the first bound, the
     last one those above the last bound, so every row belongs to exactly one slice."""
 
@@ -583,15 +588,6 @@ class Slice(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["parent", "number"], name="dispatch_slice_number_uniq"),
             models.CheckConstraint(condition=Q(number__gte=1), name="dispatch_slice_number_min"),
-        ]
-        indexes = [
-            # The next slice to start (dispatch_slices_start_v1): the lowest number whose
-            # run does not exist yet, one index probe.
-            models.Index(
-                fields=["parent", "number"],
-                condition=Q(run__isnull=True),
-                name="dispatch_slice_unstarted_idx",
-            ),
         ]
 
     def __str__(self) -> str:

@@ -123,7 +123,11 @@ def prune_batch(status: str, seconds: float, limit: int, report: PruneReport) ->
         newest = max(row[1] for row in picked)
         cursor.execute(ops_query("prune_delete_attempts"), {"runs": run_ids})
         attempt_ids = [row[0] for row in cursor.fetchall()]
-        history = _history_ids(run_ids, attempt_ids)
+        # The slices of sliced runs go with them (counted as their runs' attempts are).
+        cursor.execute(ops_query("prune_delete_slices"), {"runs": run_ids})
+        slice_runs, slice_attempts, _plan_rows = cursor.fetchone()
+        attempt_ids += list(slice_attempts)
+        history = _history_ids(run_ids + list(slice_runs), attempt_ids)
         cursor.execute(ops_query("prune_delete_runs"), {"runs": run_ids})
         report.runs[status] += len(run_ids)
         report.attempts += len(attempt_ids)

@@ -42,6 +42,12 @@ SELECT r.id, r.finished_at
    AND r.status IN ('SUCCEEDED', 'FAILED', 'CANCELLED')
    AND NOT EXISTS (SELECT 1 FROM dispatch_attempt a
                     WHERE a.run_id = r.id AND a.status IN ('PENDING', 'RUNNING'))
+   -- A slice run goes with its sliced run (prune_delete_slices), and a sliced run only
+   -- once none of its slices is live (siblings may still run after it FAILED)
+   -- (dispatch_run_slice_uniq leads with parent_id).
+   AND r.parent_id IS NULL
+   AND NOT EXISTS (SELECT 1 FROM dispatch_run s
+                    WHERE s.parent_id = r.id AND s.status IN ('PENDING', 'RUNNING'))
    -- R2, the latest run of the binding (dispatch_run_binding_idx).
    AND EXISTS (SELECT 1 FROM dispatch_run n
                 WHERE n.binding_id = r.binding_id AND n.created_at > r.created_at)
@@ -74,6 +80,28 @@ SELECT r.id, r.finished_at
 -- name: prune_delete_attempts
 -- The attempts of runs locked by prune_pick_runs (final, so nobody else locks them).
 DELETE FROM dispatch_attempt WHERE run_id = ANY (%(runs)s::uuid[]) RETURNING id;
+
+-- name: prune_delete_slices
+-- The slices of the sliced runs among those picked (none of them live: the pick checks),
+-- with their plans and ranges: the slice runs' and their attempts' ids. The foreign keys
+-- are checked at commit, so the order of the parts does not matter. It locks slice runs
+-- after their parent (the reverse of a settlement's order); the only action that could
+-- hold one meanwhile is an operator's retry of that very run in the same moment, and
+-- PostgreSQL's deadlock detection then fails one of the two (this pass retries at the
+-- next one).
+WITH slice_runs AS (
+    SELECT id FROM dispatch_run WHERE parent_id = ANY (%(runs)s::uuid[])),
+del_attempts AS (
+    DELETE FROM dispatch_attempt WHERE run_id IN (SELECT id FROM slice_runs) RETURNING id),
+del_ranges AS (
+    DELETE FROM dispatch_slice WHERE parent_id = ANY (%(runs)s::uuid[]) RETURNING id),
+del_plans AS (
+    DELETE FROM dispatch_sliceplan WHERE run_id = ANY (%(runs)s::uuid[]) RETURNING run_id),
+del_runs AS (
+    DELETE FROM dispatch_run WHERE id IN (SELECT id FROM slice_runs) RETURNING id)
+SELECT (SELECT coalesce(array_agg(id), '{}') FROM del_runs),
+       (SELECT coalesce(array_agg(id), '{}') FROM del_attempts),
+       (SELECT count(*) FROM del_ranges) + (SELECT count(*) FROM del_plans);
 
 -- name: prune_delete_runs
 DELETE FROM dispatch_run WHERE id = ANY (%(runs)s::uuid[]);

@@ -316,6 +316,7 @@ class _Writer:
         assert self.conn is not None
         if self._copy is not None:
             return self._copy
+        target: sql.Composable
         if self.mode == "upsert":
             target = sql.Identifier("dispatch_stage")
         elif self.staged:

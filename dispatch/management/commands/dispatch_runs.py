@@ -74,6 +74,7 @@ class Command(BaseCommand):
             self.stdout.write(
                 f"{r.id!s:<36}  {r.binding[:24]:<24}  {r.status:<9}  {r.trigger:<8}  "
                 f"{_when(r.created_at)}"
+                + (f"  slice {r.slice_number} of {r.parent_id}" if r.parent_id else "")
             )
 
     def show(self, options: dict[str, Any]) -> None:
@@ -85,6 +86,8 @@ class Command(BaseCommand):
         self.stdout.write(f"run        {detail.id}")
         self.stdout.write(f"binding    {detail.binding}")
         self.stdout.write(f"status     {detail.status}")
+        if detail.parent_id:
+            self.stdout.write(f"slice      {detail.slice_number} of run {detail.parent_id}")
         self.stdout.write(f"trigger    {detail.trigger}")
         self.stdout.write(f"created    {_when(detail.created_at)}")
         self.stdout.write(f"finished   {_when(detail.finished_at)}")

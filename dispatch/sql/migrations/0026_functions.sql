@@ -842,56 +842,61 @@ CREATE OR REPLACE FUNCTION dispatch_slice_label(
     END
 $$;
 
--- Start up to p_limit slices of a sliced run that have no run yet, lowest numbers first:
--- a slice run (a version-8 UUID: the worker knows a slice from its claim) and its
--- attempt 1, due now, in number order. The caller holds the parent run's lock (only a
+-- Start up to p_limit slices of a sliced run that have no run yet, in number order: a
+-- slice run (a version-8 UUID: the worker knows a slice from its claim) and its attempt
+-- 1, due now, the earlier slice a microsecond earlier. Slices start in number order and
+-- never go back, so the next one is number `started` + 1 of the plan: unique-index
+-- lookups, whatever the number of slices. The caller holds the parent run's lock (only a
 -- holder of it starts slices, so two callers never start the same one). Returns the new
 -- slice runs' ids, for the wake-ups.
 CREATE OR REPLACE FUNCTION dispatch_slices_start_v1(p_parent uuid, p_limit integer)
-RETURNS SETOF uuid LANGUAGE plpgsql VOLATILE AS $$
+RETURNS SETOF uuid LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan
+AS $$
 DECLARE
     v_parent dispatch_run%ROWTYPE;
+    v_plan dispatch_sliceplan%ROWTYPE;
     v_now timestamptz := clock_timestamp();
+    v_last integer;
     v_id uuid;
     v_at timestamptz;
-    n integer := 0;
-    s record;
+    v_slice bigint;
 BEGIN
     IF p_limit IS NULL OR p_limit < 1 THEN
         RETURN;
     END IF;
     SELECT * INTO v_parent FROM dispatch_run WHERE id = p_parent;
-    IF NOT FOUND THEN
+    SELECT * INTO v_plan FROM dispatch_sliceplan WHERE run_id = p_parent FOR UPDATE;
+    IF v_parent.id IS NULL OR v_plan.run_id IS NULL THEN
         RETURN;
     END IF;
-    FOR s IN
-        SELECT x.id, x.number FROM dispatch_slice x
-         WHERE x.parent_id = p_parent AND x.run_id IS NULL
-         ORDER BY x.number
-         LIMIT p_limit
-           FOR UPDATE
-    LOOP
+    v_last := least(v_plan.started + p_limit, v_plan.total);
+    FOR n IN v_plan.started + 1 .. v_last LOOP
+        SELECT x.id INTO v_slice FROM dispatch_slice x
+         WHERE x.parent_id = p_parent AND x.number = n AND x.run_id IS NULL
+           FOR UPDATE;
+        CONTINUE WHEN NOT FOUND;
         -- gen_random_uuid() is version 4; the 13th hex digit is the version.
         v_id := overlay(gen_random_uuid()::text PLACING '8' FROM 15 FOR 1)::uuid;
-        -- Due in number order: the earlier slice a microsecond earlier.
-        v_at := v_now - make_interval(secs => (p_limit - n) / 1e6);
+        v_at := v_now - make_interval(secs => (v_last - n + 1) / 1e6);
         INSERT INTO dispatch_run (
             id, binding_id, trigger, status, created_at, requested_by, parent_id,
             slice_number)
         VALUES (
             v_id, v_parent.binding_id, v_parent.trigger, 'PENDING', v_at,
-            v_parent.requested_by, p_parent, s.number);
+            v_parent.requested_by, p_parent, n);
         -- A statement after its run's: the insert trigger reads the run's binding.
         INSERT INTO dispatch_attempt (
             id, run_id, number, origin, status, created_at, available_at,
             error, rows_read, rows_written)
         VALUES (gen_random_uuid(), v_id, 1, 'TRIGGER', 'PENDING', v_at, v_at, '', 0, 0);
-        UPDATE dispatch_slice SET run_id = v_id WHERE id = s.id;
-        n := n + 1;
+        UPDATE dispatch_slice SET run_id = v_id WHERE id = v_slice;
         RETURN NEXT v_id;
     END LOOP;
-    IF n > 0 THEN
-        UPDATE dispatch_sliceplan SET live = live + n WHERE run_id = p_parent;
+    IF v_last > v_plan.started THEN
+        UPDATE dispatch_sliceplan
+           SET live = live + (v_last - v_plan.started), started = v_last
+         WHERE run_id = p_parent;
     END IF;
 END
 $$;
@@ -951,10 +956,10 @@ BEGIN
 
     INSERT INTO dispatch_sliceplan (
         run_id, key, key_type, method, basis, total, in_flight, source_spec, sink_spec,
-        succeeded, failed, live, rows_written, error, planned_at)
+        succeeded, failed, live, started, rows_written, error, planned_at)
     VALUES (
         v_run.id, p_key, p_key_type, p_method, coalesce(p_basis, ''), v_total, v_in_flight,
-        p_source_spec, p_sink_spec, 0, 0, 0, 0, '', v_now);
+        p_source_spec, p_sink_spec, 0, 0, 0, 0, 0, '', v_now);
     INSERT INTO dispatch_slice (parent_id, number, lower, upper, rows_written)
     SELECT v_run.id, b.n, b.lower, b.upper, 0
       FROM unnest(p_lowers, p_uppers) WITH ORDINALITY AS b(lower, upper, n);
@@ -983,11 +988,14 @@ $$;
 --     need not redo); no new slice starts;
 --   * otherwise the next slice starts (as many as max_slices_in_flight leaves room for).
 -- A parent already FAILED or CANCELLED only counts (a sibling finishing after the
--- decision).
+-- decision). Generic plans (as the claim): every statement is a primary-key or unique
+-- index lookup, and a custom plan per call would read the statistics each time.
 CREATE OR REPLACE FUNCTION dispatch_slice_settled(
     p_parent uuid, p_number integer, p_status text, p_rows bigint, p_error text,
     p_now timestamptz
-) RETURNS void LANGUAGE plpgsql VOLATILE AS $$
+) RETURNS void LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan
+AS $$
 DECLARE
     v_parent dispatch_run%ROWTYPE;
     v_plan dispatch_sliceplan%ROWTYPE;
@@ -1032,7 +1040,7 @@ BEGIN
                               dispatch_slice_label(v_plan.key, v_slice.lower, v_slice.upper),
                               coalesce(nullif(p_error, ''), lower(p_status)))
          WHERE run_id = p_parent;
-    ELSIF v_plan.live < v_plan.in_flight THEN
+    ELSIF v_plan.live < v_plan.in_flight AND v_plan.started < v_plan.total THEN
         PERFORM dispatch_slices_start_v1(p_parent, v_plan.in_flight - v_plan.live);
     END IF;
 END
