@@ -89,8 +89,6 @@ REFUSAL_TEXT: dict[str, str] = {
     "ALREADY_DISABLED": "already disabled",
     "CONNECTION_FAILED": "connection failed",
     "ALREADY_REVOKED": "already revoked",
-    "SLICE_RUN": "a slice of a sliced run (act on the sliced run)",
-    "BUSY": "its slices kept changing (try again)",
 }
 # Refusals whose message is shown, not only the object's name (a cursor's: our own text,
 # saying what was wrong with the value).

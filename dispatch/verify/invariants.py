@@ -382,6 +382,16 @@ def check_sliced_runs(state: State) -> list[Violation]:
             broken = _ranges_partition(ranges)
             if broken:
                 found.append(Violation("slices", subject, f"ranges: {broken}"))
+        with_run = [s.number for s in ranges if s.run_id is not None]
+        if with_run != list(range(1, plan.started + 1)):
+            found.append(
+                Violation(
+                    "slices",
+                    subject,
+                    f"the plan has started {plan.started} slice(s) but slices "
+                    f"{with_run[:10]} have a run (they start in number order)",
+                )
+            )
         by_number = {s.number: s for s in ranges}
         children = state.slice_runs(parent_id)
         seen: Counter[int] = Counter(r.slice_number or 0 for r in children)

@@ -68,6 +68,7 @@ class PlanRow:
     live: int
     rows_written: int
     error: str
+    started: int  # slices started so far: numbers 1..started have a run
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,8 @@ def load(scope: Scope) -> State:
     ):
         state.attempts.setdefault(row[1], []).append(AttemptRow(*row))
     for row in rows(
-        "SELECT run_id, key, key_type, total, succeeded, failed, live, rows_written, error"
+        "SELECT run_id, key, key_type, total, succeeded, failed, live, rows_written, error,"
+        "       started"
         "  FROM dispatch_sliceplan WHERE run_id = ANY(%(runs)s::uuid[])",
         {"runs": run_ids},
     ):

@@ -144,10 +144,11 @@ def test_sliced_run__waiting_with_nothing_left_to_settle_it(src: Any, dst: Any) 
     # Slice 4 queued: not finished yet (as any pending run), no other finding.
     assert failing(report) == {"run_not_terminal"}
     Run.objects.filter(parent=run, slice_number=4).delete()
-    Slice.objects.filter(parent=run, number=4).update(run=None)
     SlicePlan.objects.filter(run=run).update(live=0)
     report = check(run)
     assert "WAITING with no slice queued or running" in report.render()
+    # Slice 4's run gone: the plan says 4 started, 3 have a run.
+    assert "the plan has started 4 slice(s) but slices [1, 2, 3] have a run" in report.render()
 
 
 def test_sliced_run__retried_after_a_slice_failed(src: Any, dst: Any) -> None:
