@@ -745,14 +745,13 @@ class Campaign:
     def _note_slice_victim(self, kind: str, p: Proc) -> None:
         """Count a fault that hit a worker holding a slice, and whether its progress (sent
         with each heartbeat) showed rows already copied: mid-COPY."""
-        copied = self.db(
-            lambda: (
+        copied: list[int] = self.db(
+            lambda: list(
                 Attempt.objects.running()
                 .filter(worker_id=_worker_id(p), run__parent__isnull=False)
                 .values_list("rows_read", flat=True)
             )
         )
-        copied = list(copied)
         if copied:
             self.summary.slice_faults[kind] += 1
             if any(n > 0 for n in copied):

@@ -609,7 +609,7 @@ def _load_staging(state: State, sink: SinkTable, conn: Any) -> None:
     from dispatch.connectors.postgresql.writer import SLICE_COMMIT_TABLE, staging_name
 
     for parent in parents:
-        stage = sql.Identifier(sink.schema, staging_name(parent))
+        stage = sql.Identifier(sink.schema, staging_name(str(parent)))
         present = conn.execute("SELECT to_regclass(%s)", [stage.as_string(conn)]).fetchone()
         sink.staging[parent] = (
             int(conn.execute(sql.SQL("SELECT count(*) FROM {}").format(stage)).fetchone()[0])
