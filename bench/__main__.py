@@ -22,6 +22,7 @@ ALL: list[str] = [
     "recovery",
     "copy_pg",
     "movement",
+    "slices",
     "pgbouncer",
     "soak",
 ]

@@ -123,6 +123,34 @@ CREATE TRIGGER events_keep_version AFTER INSERT OR UPDATE ON public.events
     FOR EACH ROW EXECUTE FUNCTION public.events_keep_version();
 """
 INCREMENTAL_CURSOR = {"cursor": ["updated_at", "id"]}
+# The sliced bindings' source: a table that does not change (the checker compares the
+# sinks with it value by value, slice by slice), of mixed types, split on its key.
+SLICED_TABLE = "public.sliced"
+SLICED_ROWS = 20_000
+SLICED_SOURCE = f"""
+CREATE TABLE public.sliced (id bigint PRIMARY KEY, name text, amount numeric(12,2),
+    at timestamptz, doc jsonb, flag boolean);
+INSERT INTO public.sliced
+SELECT i, 'row-' || i, (i * 7919 %% 100000) / 100.0, timestamptz '2024-01-01' + i * interval '1 minute',
+       jsonb_build_object('i', i, 'tag', 't' || (i %% 13)), i %% 3 = 0
+  FROM generate_series(1, {SLICED_ROWS}) AS i;
+ANALYZE public.sliced;
+"""
+SLICED = ("chaos-sliced-append", "chaos-sliced-replace")
+# The append sink of the sliced binding exists before the campaign, with a row trigger
+# that sleeps 0.2 ms per row: a slice of 6,667 rows copies for over a second, so a kill or
+# a stop lands mid-COPY and the heartbeats carry its progress (the rows are unchanged).
+SLICED_SINK = """
+CREATE TABLE public.chaos_sliced_append (id bigint, name text, amount numeric(12,2),
+    at timestamptz, doc jsonb, flag boolean);
+CREATE FUNCTION public.chaos_slow_row() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_sleep(0.0002);
+    RETURN NEW;
+END $$;
+CREATE TRIGGER chaos_slow_row BEFORE INSERT ON public.chaos_sliced_append
+    FOR EACH ROW EXECUTE FUNCTION public.chaos_slow_row();
+"""
 MUTATIONS_PER_SECOND = 8.0
 
 
@@ -207,6 +235,12 @@ class Summary:
     # the campaign left waiting behind them (PENDING, marked BINDING_DISABLED).
     auto_disabled: dict[str, str] = field(default_factory=dict)
     waiting_auto_disabled: int = 0
+    # Slices: the sliced runs and their slice runs by final status, and the faults that
+    # hit a slice (a kill or stop of a worker holding one; a retry of a sliced run after
+    # one of its slices failed).
+    sliced_runs: dict[str, int] = field(default_factory=dict)
+    slice_runs: dict[str, int] = field(default_factory=dict)
+    slice_faults: Counter[str] = field(default_factory=Counter)
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -253,6 +287,9 @@ class Summary:
             f"  bindings auto-disabled by the health scan: {len(self.auto_disabled)} "
             f"({self.waiting_auto_disabled} run(s) left waiting behind them)",
             *(f"    {name}: {reason}" for name, reason in sorted(self.auto_disabled.items())),
+            f"  sliced runs by status {dict(sorted(self.sliced_runs.items()))}; their slice "
+            f"runs {dict(sorted(self.slice_runs.items()))}; faults on slices "
+            f"{dict(sorted(self.slice_faults.items()))}",
             f"  harness database retries: {self.harness_db_retries}",
             f"  unexpected process exits: {len(self.unexpected_exits)}",
         ]
@@ -314,10 +351,12 @@ class Campaign:
             c.execute(TYPES.format(table="source"))
             c.execute(ROWS)
             c.execute(INCREMENTAL_SOURCE)
+            c.execute(SLICED_SOURCE.replace("%%", "%"))
             for _ in range(50):
                 mutate_source(c, "insert")
         with psycopg.connect(self.server.url(SINK_DATABASE), autocommit=True) as c:
             c.execute(TYPES.format(table="chaos_types_definition"))
+            c.execute(SLICED_SINK)
         db = connection.settings_dict
         connection.close()
         db.update(NAME=DATABASE, HOST="127.0.0.1", PORT=str(self.o.port), USER="postgres")
@@ -455,6 +494,28 @@ class Campaign:
                 )
                 self.bindings.append(b)
                 self.incremental_bindings.append(b)
+            # A big table split into slices, each a run of its own, into an append sink (one
+            # attempt each: a slice whose worker dies fails, and its run with it, for the
+            # operator to retry) and a staged replace (retried by policy).
+            for name, mode, count, attempts in (
+                (SLICED[0], "append", 3, 1),
+                (SLICED[1], "replace", 4, 3),
+            ):
+                self.bindings.append(
+                    binding(
+                        name,
+                        job(
+                            name,
+                            {"table": SLICED_TABLE, "slices": {"key": "id", "count": count}},
+                            {"table": f"public.chaos_sliced_{mode}", "mode": mode, "create": True},
+                            max_attempts=attempts,
+                            max_slices_in_flight=count - 1,
+                        ),
+                        sink,
+                        concurrency=count,
+                        source_ds=typed_source,
+                    )
+                )
             # One batch, then two seconds before the commit: a worker stopped in that
             # window wakes up with its data written and only the commit left, which is
             # where the sink fence (not the heartbeat) has to refuse it.
@@ -655,9 +716,11 @@ class Campaign:
         return plan
 
     def busy_workers(
-        self, *, sink_kind: str | None = None, before_commit: bool = False
+        self, *, sink_kind: str | None = None, before_commit: bool = False, slices: bool = False
     ) -> list[Proc]:
         running = Attempt.objects.running()
+        if slices:
+            running = running.filter(run__parent__isnull=False)
         if sink_kind:
             running = running.filter(run__binding__sink__kind=sink_kind)
         if before_commit:
@@ -674,11 +737,36 @@ class Campaign:
             self.summary.faults[kind] += 1
         return done
 
+    def _slice_victims(self) -> list[Proc]:
+        """Half the time, the workers holding a running slice (a SIGKILL or SIGSTOP then
+        lands while it copies its range); none the other half."""
+        return self.busy_workers(slices=True) if self.rng.random() < 0.5 else []
+
+    def _note_slice_victim(self, kind: str, p: Proc) -> None:
+        """Count a fault that hit a worker holding a slice, and whether its progress (sent
+        with each heartbeat) showed rows already copied: mid-COPY."""
+        copied: list[int] = self.db(
+            lambda: list(
+                Attempt.objects.running()
+                .filter(worker_id=_worker_id(p), run__parent__isnull=False)
+                .values_list("rows_read", flat=True)
+            )
+        )
+        if copied:
+            self.summary.slice_faults[kind] += 1
+            if any(n > 0 for n in copied):
+                self.summary.slice_faults[f"{kind}_mid_copy"] += 1
+
     def fault_kill(self) -> bool:
-        victims = self.busy_workers() or [p for p in self.live("worker") if p.stopped_until is None]
+        victims = (
+            self._slice_victims()
+            or self.busy_workers()
+            or [p for p in self.live("worker") if p.stopped_until is None]
+        )
         if not victims:
             return False
         p = self.rng.choice(victims)
+        self._note_slice_victim("kill", p)
         p.killed_by_us = True
         p.popen.send_signal(signal.SIGKILL)
         p.popen.wait()
@@ -689,12 +777,14 @@ class Campaign:
         # Prefer a worker writing to a fenced sink: its wake-up is what the fence is for.
         victims = (
             self.busy_workers(before_commit=True)
+            or self._slice_victims()
             or self.busy_workers(sink_kind="postgresql")
             or self.busy_workers()
         )
         if not victims:
             return False
         p = self.rng.choice(victims)
+        self._note_slice_victim("stop", p)
         os.kill(p.popen.pid, signal.SIGSTOP)
         # Long past its lease and a recovery pass, so a successor runs (and raises the sink
         # fence) before the stale worker wakes up and tries to commit.
@@ -798,20 +888,21 @@ class Campaign:
                 c.execute("SELECT pg_notify(%s, %s)", [conf.channel(), payload])
         return True
 
-    def _pick_run(self, statuses: list[str]) -> Run | None:
-        candidates = self.db(
-            lambda: list(
-                Run.objects.filter(requested_by=self.tag, status__in=statuses).values_list(
-                    "id", flat=True
-                )[:200]
-            )
-        )
+    def _pick_run(self, statuses: list[str], *, sliced: bool = False) -> Run | None:
+        """A run of the campaign in `statuses`, never a slice run (an operator acts on
+        its sliced run); `sliced`: only a sliced run (one with a plan)."""
+        runs = Run.objects.filter(requested_by=self.tag, status__in=statuses, parent__isnull=True)
+        if sliced:
+            runs = runs.filter(slice_plan__isnull=False)
+        candidates = self.db(lambda: list(runs.values_list("id", flat=True)[:200]))
         if not candidates:
             return None
         return self.db(lambda: Run.objects.get(pk=self.rng.choice(candidates)))
 
     def fault_cancel(self) -> bool:
-        run = self._pick_run([Status.PENDING, Status.RUNNING])
+        # A sliced run WAITING on its slices too (its queued slices at once, its running
+        # ones at their next heartbeat).
+        run = self._pick_run([Status.PENDING, Status.RUNNING, Status.WAITING])
         if run is None:
             return False
         try:
@@ -821,7 +912,13 @@ class Campaign:
         return True
 
     def fault_retry(self) -> bool:
-        run = self._pick_run([Status.FAILED, Status.CANCELLED])
+        # A sliced run that failed (one of its slices did) first: the retry redoes only
+        # the slices that did not commit.
+        run = self._pick_run([Status.FAILED, Status.CANCELLED], sliced=True)
+        if run is not None:
+            self.summary.slice_faults["retry_sliced"] += 1
+        else:
+            run = self._pick_run([Status.FAILED, Status.CANCELLED])
         if run is None:
             return False
         try:
@@ -1105,6 +1202,24 @@ class Campaign:
                 lambda: list(
                     Attempt.objects.filter(run__in=Run.objects.filter(scope))
                     .values_list("origin")
+                    .annotate(n=Count("id"))
+                )
+            )
+        )
+        s.sliced_runs = dict(
+            self.db(
+                lambda: list(
+                    Run.objects.filter(scope, binding__name__in=SLICED, parent__isnull=True)
+                    .values_list("status")
+                    .annotate(n=Count("id"))
+                )
+            )
+        )
+        s.slice_runs = dict(
+            self.db(
+                lambda: list(
+                    Run.objects.filter(scope, parent__isnull=False)
+                    .values_list("status")
                     .annotate(n=Count("id"))
                 )
             )

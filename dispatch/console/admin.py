@@ -47,6 +47,7 @@ from dispatch import conf, services
 from dispatch.connectors import incremental
 from dispatch.connectors.base import ConnectorError
 from dispatch.console import querypermission
+from dispatch.console import slices as console_slices
 from dispatch.console.actions import (
     ActionRefused,
     ActionResult,
@@ -76,11 +77,18 @@ from dispatch.models import (
     JobBinding,
     Overview,
     Run,
+    SlicePlan,
     Worker,
 )
 from dispatch.progress import Progress
 from dispatch.security import crypto, jsondepth
-from dispatch.states import LIVE_STATUSES, RETRYABLE_RUN_STATUSES, BlockedReason, Status, Trigger
+from dispatch.states import (
+    RETRYABLE_RUN_STATUSES,
+    UNFINISHED_RUN_STATUSES,
+    BlockedReason,
+    Status,
+    Trigger,
+)
 
 log = logging.getLogger("dispatch.console")
 
@@ -251,8 +259,10 @@ CANCEL = ActionSpec(
     True,
     _service(services.cancel_run),
     "A pending run is cancelled at once; a running one stops at its worker's next "
-    "heartbeat. A sink commit that already happened wins.",
-    applies=lambda run: run.status in LIVE_STATUSES,
+    "heartbeat. A sink commit that already happened wins. A sliced run: its queued slices at "
+    "once, its running ones at their next heartbeat (a slice is cancelled with its run).",
+    # Not offered on a slice: the service refuses it (SLICE_RUN), its sliced run is the one.
+    applies=lambda run: run.status in UNFINISHED_RUN_STATUSES and run.parent_id is None,
 )
 RETRY = ActionSpec(
     "retry_run",
@@ -260,8 +270,9 @@ RETRY = ActionSpec(
     "dispatch.retry_run",
     False,
     _service(services.retry_run),
-    "Add a new attempt (operator retry, fresh retry budget) to a failed or cancelled run.",
-    applies=lambda run: run.status in RETRYABLE_RUN_STATUSES,
+    "Add a new attempt (operator retry, fresh retry budget) to a failed or cancelled run. "
+    "A sliced run: each of its slices that did not commit gets one; those that did are kept.",
+    applies=lambda run: run.status in RETRYABLE_RUN_STATUSES and run.parent_id is None,
 )
 RUN_NOW = ActionSpec(
     "run_now",
@@ -873,6 +884,11 @@ def _latest_attempt(field: str) -> Subquery:
     )
 
 
+def _plan(run: str, field: str) -> Subquery:
+    """A field of the slice plan of the run `run` names (its primary key: one probe)."""
+    return Subquery(SlicePlan.objects.filter(run_id=OuterRef(run)).values(field)[:1])
+
+
 @admin.register(Run)
 class RunAdmin(HistoryAdmin):
     # Five columns, so the list fits 1,280 px beside the admin's menu and the filters: the
@@ -908,6 +924,7 @@ class RunAdmin(HistoryAdmin):
                     "id",
                     "binding_link",
                     "job_link",
+                    "slice_link",
                     "status_badge",
                     "trigger",
                     "requested_by",
@@ -954,8 +971,24 @@ class RunAdmin(HistoryAdmin):
                 latest_written=_latest_attempt("rows_written"),
                 latest_estimated=_latest_attempt("rows_estimated"),
                 latest_status=_latest_attempt("status"),
+                # Slices (docs/console.md, "Slices"): a slice run's plan total, a sliced
+                # run's counters; each a primary-key probe of dispatch_sliceplan.
+                slice_total=_plan("parent_id", "total"),
+                plan_total=_plan("pk", "total"),
+                plan_done=_plan("pk", "succeeded"),
+                plan_rows=_plan("pk", "rows_written"),
             )
         )
+
+    def get_object(self, request: HttpRequest, object_id: str, from_field: Any = None) -> Any:
+        # A run's page: its slice plan in the same query (a LEFT JOIN on the plan's key).
+        queryset = self.get_queryset(request).select_related("slice_plan")
+        model = queryset.model
+        field = model._meta.pk if from_field is None else model._meta.get_field(from_field)
+        try:
+            return queryset.get(**{field.name: field.to_python(object_id)})  # type: ignore[union-attr]
+        except (model.DoesNotExist, ValidationError, ValueError):
+            return None
 
     def get_urls(self) -> list[URLPattern]:
         return [
@@ -988,15 +1021,24 @@ class RunAdmin(HistoryAdmin):
         if isinstance(response, TemplateResponse):
             original = response.context_data.get("original") if response.context_data else None
             if original is not None:
-                response.context_data["run_live"] = original.is_live  # type: ignore[index]
+                # A sliced run WAITING on its slices refreshes too.
+                response.context_data["run_live"] = original.status in UNFINISHED_RUN_STATUSES  # type: ignore[index]
+                response.context_data["sliced"] = console_slices.table(  # type: ignore[index]
+                    original,
+                    console_slices.page_number(request.GET.get("slices")),
+                    self.admin_site.name,
+                )
                 response.context_data["release_perm"] = request.user.has_perm(RELEASE.perm)  # type: ignore[index]
         return response
 
     @admin.display(description="run", ordering="id")
     def short_id(self, obj: Run) -> SafeString:
         """The id's first 8 characters; in the list, how the run came (the trigger) under it."""
+        note = console_slices.list_note(obj)
         return format_html(
-            '{}<span class="dsp-under">{}</span>', str(obj.pk)[:8], obj.get_trigger_display()
+            '{}<span class="dsp-under">{}</span>',
+            str(obj.pk)[:8],
+            f"{obj.get_trigger_display()} · {note}" if note else obj.get_trigger_display(),
         )
 
     @admin.display(description="status", ordering="status")
@@ -1043,7 +1085,10 @@ class RunAdmin(HistoryAdmin):
     @admin.display(description="rows")
     def progress(self, obj: Run) -> SafeString:
         # The list's annotations: rows and the estimate of the latest attempt (its rate
-        # and time left are on the run's page).
+        # and time left are on the run's page); a sliced run's: its slices done and rows.
+        sliced = console_slices.list_progress(obj)
+        if sliced is not None:
+            return sliced
         return progress_bar(
             Progress(
                 status=getattr(obj, "latest_status", None) or "",
@@ -1056,6 +1101,10 @@ class RunAdmin(HistoryAdmin):
     @admin.display(description="binding")
     def binding_link(self, obj: Run) -> SafeString:
         return _link(self, "admin:dispatch_jobbinding_change", obj.binding_id, obj.binding.name)
+
+    @admin.display(description="slice of")
+    def slice_link(self, obj: Run) -> SafeString:
+        return console_slices.slice_of(obj, self.admin_site.name)
 
     @admin.display(description="job")
     def job_link(self, obj: Run) -> SafeString:

@@ -92,7 +92,7 @@ REFUSAL_TEXT: dict[str, str] = {
 }
 # Refusals whose message is shown, not only the object's name (a cursor's: our own text,
 # saying what was wrong with the value).
-DETAILED_REFUSALS = frozenset({"CONNECTION_FAILED", "BAD_CURSOR"})
+DETAILED_REFUSALS = frozenset({"CONNECTION_FAILED", "BAD_CURSOR", "SLICE_RUN"})
 OUTCOME_TEXT: dict[str, str] = {
     services.Outcome.TRIGGERED: "triggered",
     services.Outcome.EXISTING: "already had a run",

@@ -33,6 +33,7 @@ from dispatch.verify.state import (
     Findings,
     RunRow,
     Scope,
+    SliceRow,
     State,
     Violation,
     load,
@@ -150,7 +151,9 @@ def check_run_status_matches_latest_attempt(state: State) -> list[Violation]:
             found.append(Violation("run_status", str(run.id), "the run has no attempt"))
             continue
         latest = attempts[-1]
-        if latest.status != run.status:
+        # A planned sliced run's status is its slices' (check_sliced_runs), not its
+        # planning attempt's.
+        if latest.status != run.status and run.id not in state.plans:
             found.append(
                 Violation(
                     "run_status",
@@ -243,6 +246,20 @@ def check_settled_reasons(state: State) -> list[Violation]:
     for attempts in state.attempts.values():
         for a in attempts:
             subject = f"{a.run_id} attempt {a.number}"
+            planned = a.reason == Reason.SLICES_PLANNED
+            if planned and (a.run_id not in state.plans or a is not attempts[-1]):
+                found.append(
+                    Violation(
+                        "reason",
+                        subject,
+                        "SLICES_PLANNED but "
+                        + (
+                            "its run has no slice plan"
+                            if a.run_id not in state.plans
+                            else "it is not its run's latest attempt"
+                        ),
+                    )
+                )
             if a.status in NEEDS_REASON and not a.reason:
                 found.append(Violation("reason", subject, f"{a.status} without a reason"))
             if a.status == Status.SUCCEEDED and a.reason in LOST_REASONS:
@@ -251,7 +268,11 @@ def check_settled_reasons(state: State) -> list[Violation]:
                         "reason", subject, f"SUCCEEDED although it lost its lease ({a.reason})"
                     )
                 )
-            if a.status == Status.SUCCEEDED and a.reason not in (None, Reason.ALREADY_COMMITTED):
+            if a.status == Status.SUCCEEDED and a.reason not in (
+                None,
+                Reason.ALREADY_COMMITTED,
+                Reason.SLICES_PLANNED,
+            ):
                 found.append(Violation("reason", subject, f"SUCCEEDED with reason {a.reason}"))
             if a.status == Status.RETRY_SCHEDULED and a is attempts[-1]:
                 found.append(Violation("reason", subject, "RETRY_SCHEDULED without a successor"))
@@ -293,6 +314,167 @@ def check_no_stale_finish(state: State) -> list[Violation]:
     return found
 
 
+# --- slices -------------------------------------------------------------------------------
+SLICE_ENDED = (Status.FAILED, Status.CANCELLED)
+
+
+def _ranges_partition(slices: list[SliceRow]) -> str | None:
+    """Why a plan's ranges do not split the key's values into exactly one slice each
+    (None: they do): numbers 1..n, the first open below, the last open above, each
+    range's upper bound the next one's lower."""
+    numbers = [s.number for s in slices]
+    if numbers != list(range(1, len(slices) + 1)):
+        return f"slice numbers {numbers[:10]} are not 1..{len(slices)}"
+    if slices[0].lower is not None:
+        return f"slice 1 starts at {slices[0].lower}, not open below (rows under it: none)"
+    if slices[-1].upper is not None:
+        return f"slice {len(slices)} ends at {slices[-1].upper}, not open above"
+    for a, b in zip(slices, slices[1:], strict=False):
+        if a.upper is None or a.upper != b.lower:
+            return f"slice {a.number} ends at {a.upper} but slice {b.number} starts at {b.lower}"
+    return None
+
+
+def check_sliced_runs(state: State) -> list[Violation]:
+    """A sliced run (it has a plan): its planning attempt is its latest and SUCCEEDED
+    (SLICES_PLANNED); its ranges split the key into exactly one slice per value; every
+    slice run in scope names a range of the plan and each range at most one run; it is
+    SUCCEEDED iff every slice committed (SUCCEEDED), FAILED only with a slice failed or
+    cancelled, CANCELLED only on a cancel request; once finished no slice is queued or
+    running; the plan's counters are its slices' (succeeded, failed, live, rows). A slice
+    run's parent is a planned run. Each slice run obeys every run check besides."""
+    found = []
+    for run in state.runs.values():
+        if run.parent_id is not None and run.parent_id not in state.plans:
+            parent = state.runs.get(run.parent_id)
+            if parent is not None:  # in scope but never planned
+                found.append(
+                    Violation(
+                        "slices",
+                        str(run.id),
+                        f"slice {run.slice_number} of run {run.parent_id}, which has no plan",
+                    )
+                )
+    for parent_id, plan in state.plans.items():
+        run = state.runs[parent_id]
+        subject = f"{parent_id} (sliced)"
+        attempts = state.attempts_of(parent_id)
+        if not attempts or (attempts[-1].status, attempts[-1].reason) != (
+            Status.SUCCEEDED,
+            Reason.SLICES_PLANNED,
+        ):
+            last = attempts[-1] if attempts else None
+            found.append(
+                Violation(
+                    "slices",
+                    subject,
+                    "its latest attempt is "
+                    + (f"{last.status}/{last.reason}" if last else "missing")
+                    + ", not the planning attempt (SUCCEEDED, SLICES_PLANNED)",
+                )
+            )
+        ranges = state.slices.get(parent_id, [])
+        if len(ranges) != plan.total:
+            found.append(
+                Violation("slices", subject, f"{len(ranges)} ranges for a plan of {plan.total}")
+            )
+        elif ranges:
+            broken = _ranges_partition(ranges)
+            if broken:
+                found.append(Violation("slices", subject, f"ranges: {broken}"))
+        with_run = [s.number for s in ranges if s.run_id is not None]
+        if with_run != list(range(1, plan.started + 1)):
+            found.append(
+                Violation(
+                    "slices",
+                    subject,
+                    f"the plan has started {plan.started} slice(s) but slices "
+                    f"{with_run[:10]} have a run (they start in number order)",
+                )
+            )
+        by_number = {s.number: s for s in ranges}
+        children = state.slice_runs(parent_id)
+        seen: Counter[int] = Counter(r.slice_number or 0 for r in children)
+        for number, n in sorted(seen.items()):
+            if n > 1:
+                found.append(Violation("slices", subject, f"slice {number} has {n} runs"))
+        for child in children:
+            rng = by_number.get(child.slice_number or 0)
+            if rng is None or rng.run_id != child.id:
+                found.append(
+                    Violation(
+                        "slices",
+                        str(child.id),
+                        f"slice run {child.slice_number} of {parent_id} is not its range's run"
+                        f" ({rng.run_id if rng else 'no such range'})",
+                    )
+                )
+            if child.binding_id != run.binding_id:
+                found.append(Violation("slices", str(child.id), "a slice run of another binding"))
+        status = Counter(r.status for r in children)
+        done = status[Status.SUCCEEDED]
+        ended = sum(status[s] for s in SLICE_ENDED)
+        live = status[Status.PENDING] + status[Status.RUNNING]
+        not_started = sum(1 for s in ranges if s.run_id is None)
+        if (run.status == Status.SUCCEEDED) != (done == plan.total and plan.total > 0):
+            found.append(
+                Violation(
+                    "slices",
+                    subject,
+                    f"run is {run.status} with {done} of {plan.total} slices SUCCEEDED",
+                )
+            )
+        if run.status == Status.FAILED and ended == 0:
+            found.append(
+                Violation("slices", subject, "FAILED but none of its slices failed or ended")
+            )
+        if run.status == Status.CANCELLED and run.cancel_requested_at is None:
+            found.append(Violation("slices", subject, "CANCELLED without a cancel request"))
+        if run.status in TERMINAL_RUN_STATUSES and live:
+            found.append(
+                Violation("slices", subject, f"{run.status} with {live} slice(s) queued or running")
+            )
+        if run.status == Status.WAITING and live == 0 and run.cancel_requested_at is None:
+            found.append(
+                Violation(
+                    "slices",
+                    subject,
+                    f"WAITING with no slice queued or running ({done} done, {ended} ended, "
+                    f"{not_started} not started): nothing will settle it",
+                )
+            )
+        if len(children) + not_started == plan.total:  # every slice run is in scope
+            counted = (plan.succeeded, plan.failed, plan.live)
+            if counted != (done, ended, live):
+                found.append(
+                    Violation(
+                        "slices",
+                        subject,
+                        f"plan counts succeeded/failed/live {counted}, its slice runs are "
+                        f"{(done, ended, live)}",
+                    )
+                )
+            written = sum(
+                a.rows_written
+                for child in children
+                for a in state.attempts_of(child.id)
+                if a.status == Status.SUCCEEDED
+            )
+            if plan.rows_written != written or plan.rows_written != sum(
+                s.rows_written for s in ranges
+            ):
+                found.append(
+                    Violation(
+                        "slices",
+                        subject,
+                        f"plan says {plan.rows_written} rows written; its ranges "
+                        f"{sum(s.rows_written for s in ranges)}, its slices' SUCCEEDED "
+                        f"attempts {written}",
+                    )
+                )
+    return found
+
+
 # --- PostgreSQL sinks ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class FenceRow:
@@ -328,6 +510,13 @@ class SinkTable:
     error: str | None = None
     # Every binding writing here reads incrementally: `check_incremental` compares it.
     incremental: bool = False
+    # Sliced runs writing here (with `values`): the source's rows of each slice, by
+    # (sliced run, number), assigned from the key's value by the checker's own comparison.
+    slice_values: dict[tuple[uuid.UUID, int], Counter[str]] = field(default_factory=dict)
+    # A sliced `replace`: its staging table's rows by sliced run (None: no such table),
+    # and the sink's record of the slices committed to it ((run, number) -> slice run).
+    staging: dict[uuid.UUID, int | None] = field(default_factory=dict)
+    slice_commits: dict[tuple[uuid.UUID, int], uuid.UUID] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -366,6 +555,77 @@ def _value_source(bindings: list[BindingRow]) -> tuple[uuid.UUID, str] | None:
     }
     only = next(iter(sources)) if len(sources) == 1 else None
     return None if only is None else (only[0], str(only[1]))  # type: ignore[index]
+
+
+def _sliced_runs_of(state: State, sink: SinkTable) -> list[uuid.UUID]:
+    return sorted((p for p in state.plans if state.runs[p].binding_id in sink.binding_ids), key=str)
+
+
+# Key types whose name may appear in the checker's SQL (an allow-list: the plan's
+# key_type comes from the source's catalog, and is never pasted otherwise).
+SLICE_KEY_TYPES = frozenset(
+    {
+        "smallint",
+        "integer",
+        "bigint",
+        "date",
+        "timestamp without time zone",
+        "timestamp with time zone",
+        "uuid",
+    }
+)
+
+
+def _load_slice_values(state: State, sink: SinkTable, conn: Any, table: str) -> None:
+    """For each sliced run writing to this sink: the source's rows by slice, each row
+    placed by its key's value with the checker's own comparison (1 + how many of the
+    slices' lower bounds, past the first, are <= the key; a NULL key: slice 1), so a
+    range the engine reads twice or not at all shows in `check_sink_values`."""
+    schema, name = postgresql.parse_table(table)
+    relation = sql.Identifier(schema, name) if schema else sql.Identifier(name)
+    for parent in _sliced_runs_of(state, sink):
+        plan = state.plans[parent]
+        ranges = state.slices.get(parent, [])
+        if plan.key_type not in SLICE_KEY_TYPES or not ranges:
+            continue
+        lowers = [s.lower for s in ranges[1:]]
+        query = sql.SQL(
+            "SELECT t::text, CASE WHEN t.{key} IS NULL THEN 1 ELSE 1 + (SELECT count(*)"
+            " FROM unnest(CAST(%s AS text[])) AS b(v) WHERE CAST(b.v AS {type}) <= t.{key})"
+            " END FROM {table} t"
+        ).format(key=sql.Identifier(plan.key), type=sql.SQL(plan.key_type), table=relation)
+        for text, number in conn.execute(query, [lowers]):
+            sink.slice_values.setdefault((parent, int(number)), Counter())[text] += 1
+
+
+def _load_staging(state: State, sink: SinkTable, conn: Any) -> None:
+    """A sliced `replace`: each sliced run's staging table (its rows, or None when gone)
+    and the sink's record of committed slices (dispatch_slice_commit)."""
+    if sink.mode != "replace":
+        return
+    parents = _sliced_runs_of(state, sink)
+    if not parents:
+        return
+    from dispatch.connectors.postgresql.writer import SLICE_COMMIT_TABLE, staging_name
+
+    for parent in parents:
+        stage = sql.Identifier(sink.schema, staging_name(str(parent)))
+        present = conn.execute("SELECT to_regclass(%s)", [stage.as_string(conn)]).fetchone()
+        sink.staging[parent] = (
+            int(conn.execute(sql.SQL("SELECT count(*) FROM {}").format(stage)).fetchone()[0])
+            if present and present[0]
+            else None
+        )
+    records = sql.Identifier(sink.schema, SLICE_COMMIT_TABLE)
+    present = conn.execute("SELECT to_regclass(%s)", [records.as_string(conn)]).fetchone()
+    if present and present[0]:
+        for parent, number, run_id in conn.execute(
+            sql.SQL(
+                "SELECT parent_id, number, run_id FROM {} WHERE parent_id = ANY(%s::uuid[])"
+            ).format(records),
+            [parents],
+        ):
+            sink.slice_commits[(parent, number)] = run_id
 
 
 def load_sinks(state: State, *, values: bool = False) -> list[SinkTable]:
@@ -429,9 +689,11 @@ def load_sinks(state: State, *, values: bool = False) -> list[SinkTable]:
                     sink.sink_values = (
                         _table_values(conn, sink.schema, name) if exists[1] else Counter()
                     )
+                _load_staging(state, sink, conn)
             if source is not None:
                 with sink_access.connect(source[0]) as conn:
                     sink.source_values = _table_values(conn, *postgresql.parse_table(source[1]))
+                    _load_slice_values(state, sink, conn, source[1])
         except sink_access.SINK_ERRORS as exc:  # a sink we cannot read is reported
             sink.error = sink_access.error_text(exc)
     return tables
@@ -454,6 +716,14 @@ def check_sink_fences(state: State, sinks: list[SinkTable]) -> list[Violation]:
             won = [a for a in attempts.values() if a.status == Status.SUCCEEDED]
             fence = sink.fences.get(run.id)
             subject = f"{run.id} ({sink.name})"
+            if run.id in state.plans:
+                # A sliced run writes nothing itself: its slices do, each fenced by its
+                # own run (checked as any run's).
+                if fence is not None:
+                    found.append(
+                        Violation("sink_fence", subject, "a sliced run has a fence of its own")
+                    )
+                continue
             if fence is None or fence.committed_at is None:
                 if won:
                     found.append(
@@ -541,20 +811,67 @@ RUN_CHECKS: tuple[Callable[[State], list[Violation]], ...] = (
     check_retry_budget,
     check_settled_reasons,
     check_no_stale_finish,
+    check_sliced_runs,
 )
+
+
+def _committed(sink: SinkTable, run_id: uuid.UUID) -> bool:
+    fence = sink.fences.get(run_id)
+    return fence is not None and fence.committed_at is not None
+
+
+def expected_values(state: State, sink: SinkTable) -> tuple[Counter[str], str]:
+    """What the sink must hold, from the source's rows and the committed fences: each
+    committed run's rows (append: once per committed run; replace, upsert: once), a slice
+    run's being its range's rows. A sliced `replace` counts once all its slices committed
+    (its slices stage their rows; the last one's commit replaces the target). Also says
+    how it counted, for the message."""
+    assert sink.source_values is not None
+    plain = 0
+    slices: list[tuple[uuid.UUID, int]] = []
+    for run_id, fence in sink.fences.items():
+        if fence.committed_at is None:
+            continue
+        run = state.runs.get(run_id)
+        if run is not None and run.parent_id is not None:
+            slices.append((run.parent_id, run.slice_number or 0))
+        else:
+            plain += 1
+    if sink.mode == "append":
+        expected = Counter({t: n * plain for t, n in sink.source_values.items() if plain})
+        for key in slices:
+            expected.update(sink.slice_values.get(key, Counter()))
+        how = f"{plain} committed run(s) and {len(slices)} committed slice(s)"
+        return expected, how
+    complete = sum(
+        1
+        for parent, plan in state.plans.items()
+        if state.runs[parent].binding_id in sink.binding_ids
+        and sum(1 for p, _ in slices if p == parent) == plan.total
+    )
+    if sink.mode == "upsert" and not plain and not complete and slices:
+        expected = Counter()
+        for key in set(slices):
+            expected |= sink.slice_values.get(key, Counter())
+        return expected, f"{len(slices)} committed slice(s)"
+    times = min(1, plain + complete)
+    expected = Counter({t: n * times for t, n in sink.source_values.items() if times})
+    return (
+        expected,
+        f"{plain} committed run(s), {complete} sliced run(s) with every slice committed",
+    )
 
 
 def check_sink_values(state: State, sinks: list[SinkTable]) -> list[Violation]:
     """Each committed run's rows arrived with every value as the source holds it: the
     sink's rows (`row::text`) are the source's, as many times as runs committed (append)
-    or once (replace, upsert). Compares values, where `check_sink_rows` counts ids."""
+    or once (replace, upsert); a committed slice's rows are those of its range, exactly
+    once each (`expected_values`). Compares values, where `check_sink_rows` counts ids."""
     found = []
     for sink in sinks:
         if sink.error or sink.source_values is None or sink.sink_values is None:
             continue
-        committed = sink.committed_fences()
-        times = committed if sink.mode == "append" else min(committed, 1)
-        expected = Counter({text: n * times for text, n in sink.source_values.items() if times})
+        expected, how = expected_values(state, sink)
         if sink.sink_values == expected:
             continue
         missing = expected - sink.sink_values
@@ -564,11 +881,55 @@ def check_sink_values(state: State, sinks: list[SinkTable]) -> list[Violation]:
             Violation(
                 "sink_values",
                 sink.name,
-                f"{committed} committed run(s) in {sink.mode} mode: {sum(missing.values())} "
+                f"{how} in {sink.mode} mode: {sum(missing.values())} "
                 f"source row version(s) missing, {sum(extra.values())} row(s) too many "
                 f"(e.g. {sample[:200]!r})",
             )
         )
+    return found
+
+
+def check_sliced_sinks(state: State, sinks: list[SinkTable]) -> list[Violation]:
+    """A sliced `replace`: once its run SUCCEEDED, its staging table holds no row (the
+    last slice's commit emptied it into the target; dropping it is best effort, noted);
+    the sink's record of committed slices names each slice's own run, committed (a stale
+    slice's commit is never recorded), and only slices of a run not yet SUCCEEDED (the
+    swap's transaction removes them)."""
+    found = []
+    for sink in sinks:
+        if sink.error:
+            continue
+        for parent, rows in sink.staging.items():
+            run = state.runs[parent]
+            if run.status == Status.SUCCEEDED and rows:
+                found.append(
+                    Violation(
+                        "slices_sink",
+                        f"{parent} ({sink.name})",
+                        f"SUCCEEDED but its staging table still holds {rows} row(s)",
+                    )
+                )
+        ranges = {(s.parent_id, s.number): s for v in state.slices.values() for s in v}
+        for (parent, number), run_id in sorted(sink.slice_commits.items(), key=str):
+            subject = f"{parent} slice {number} ({sink.name})"
+            rng = ranges.get((parent, number))
+            if rng is None or rng.run_id != run_id:
+                found.append(
+                    Violation(
+                        "slices_sink",
+                        subject,
+                        f"recorded as committed by run {run_id}, not the slice's run "
+                        f"{rng.run_id if rng else '(no such slice)'}",
+                    )
+                )
+            elif not _committed(sink, run_id):
+                found.append(
+                    Violation(
+                        "slices_sink",
+                        subject,
+                        f"recorded as committed but run {run_id}'s fence is not committed",
+                    )
+                )
     return found
 
 
@@ -597,6 +958,12 @@ def notes_for(state: State, sinks: list[SinkTable]) -> list[str]:
             f"the health scan ({binding.health_reason})"
         )
     for sink in sinks:
+        for parent, rows in sorted(sink.staging.items(), key=lambda kv: str(kv[0])):
+            if rows == 0 and state.runs[parent].status == Status.SUCCEEDED:
+                notes.append(
+                    f"run {parent}: its empty staging table is still in {sink.schema} (its "
+                    "drop after the swap gave up behind a stale slice's lock)"
+                )
         if (
             sink.rows_per_run is None
             and sink.source_values is None
@@ -652,6 +1019,7 @@ def check(
     report.violations.extend(check_sink_fences(state, sink_tables))
     report.violations.extend(check_sink_rows(state, sink_tables))
     report.violations.extend(check_sink_values(state, sink_tables))
+    report.violations.extend(check_sliced_sinks(state, sink_tables))
     incremental = invariants_incremental.load(state, history) if sinks else []
     report.violations.extend(check_incremental(incremental))
     report.notes.extend(n for item in incremental for n in item.notes)

@@ -50,6 +50,37 @@ class RunRow:
     cancel_requested_at: datetime | None
     schedule_id: uuid.UUID | None
     scheduled_for: datetime | None
+    # A slice run: its sliced run and its number in that run's plan.
+    parent_id: uuid.UUID | None = None
+    slice_number: int | None = None
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """A sliced run's plan (dispatch_sliceplan) and its counters."""
+
+    run_id: uuid.UUID
+    key: str
+    key_type: str
+    total: int
+    succeeded: int
+    failed: int
+    live: int
+    rows_written: int
+    error: str
+    started: int  # slices started so far: numbers 1..started have a run
+
+
+@dataclass(frozen=True)
+class SliceRow:
+    """One range of a plan (dispatch_slice); run_id None: not started."""
+
+    parent_id: uuid.UUID
+    number: int
+    lower: str | None
+    upper: str | None
+    run_id: uuid.UUID | None
+    rows_written: int
 
 
 @dataclass(frozen=True)
@@ -67,6 +98,7 @@ class AttemptRow:
     claimed_at: datetime | None
     finished_at: datetime | None
     blocked_reason: str | None = None
+    rows_written: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,12 +126,22 @@ class State:
     runs: dict[uuid.UUID, RunRow] = field(default_factory=dict)
     attempts: dict[uuid.UUID, list[AttemptRow]] = field(default_factory=dict)
     bindings: dict[uuid.UUID, BindingRow] = field(default_factory=dict)
+    # Sliced runs in scope: their plans, and their ranges by number.
+    plans: dict[uuid.UUID, PlanRow] = field(default_factory=dict)
+    slices: dict[uuid.UUID, list[SliceRow]] = field(default_factory=dict)
     db_now: datetime | None = None
     # Runs finished up to here may have been deleted by retention (dispatch.ops.retention).
     pruned_through: datetime | None = None
 
     def attempts_of(self, run_id: uuid.UUID) -> list[AttemptRow]:
         return self.attempts.get(run_id, [])
+
+    def slice_runs(self, parent_id: uuid.UUID) -> list[RunRow]:
+        """The slice runs of a sliced run that are in scope, by number."""
+        return sorted(
+            (r for r in self.runs.values() if r.parent_id == parent_id),
+            key=lambda r: r.slice_number or 0,
+        )
 
 
 @dataclass
@@ -126,16 +168,18 @@ def json_object(value: Any) -> dict[str, Any]:
 
 
 def load(scope: Scope) -> State:
-    """Read the runs in scope, their attempts and bindings (one statement each)."""
+    """Read the runs in scope (a sliced run's slice runs with it), their attempts and
+    bindings, and the plans and ranges of the sliced ones (one statement each)."""
     state = State(scope=scope)
     state.db_now = rows("SELECT now()", {})[0][0]
     state.pruned_through = retention.pruned_through()
     for row in rows(
         "SELECT id, binding_id, status, created_at, finished_at, cancel_requested_at,"
-        "       schedule_id, scheduled_for"
+        "       schedule_id, scheduled_for, parent_id, slice_number"
         "  FROM dispatch_run r"
         " WHERE %(all)s OR r.id = ANY(%(ids)s::uuid[]) OR r.requested_by = %(tag)s"
-        "    OR r.schedule_id = ANY(%(schedules)s::uuid[])",
+        "    OR r.schedule_id = ANY(%(schedules)s::uuid[])"
+        "    OR r.parent_id = ANY(%(ids)s::uuid[])",
         {
             "all": scope.everything,
             "ids": list(scope.run_ids),
@@ -147,12 +191,25 @@ def load(scope: Scope) -> State:
     run_ids = list(state.runs)
     for row in rows(
         "SELECT id, run_id, number, origin, status, reason, worker_id, lease_token,"
-        "       lease_until, created_at, claimed_at, finished_at, blocked_reason"
+        "       lease_until, created_at, claimed_at, finished_at, blocked_reason, rows_written"
         "  FROM dispatch_attempt WHERE run_id = ANY(%(runs)s::uuid[])"
         " ORDER BY run_id, number",
         {"runs": run_ids},
     ):
         state.attempts.setdefault(row[1], []).append(AttemptRow(*row))
+    for row in rows(
+        "SELECT run_id, key, key_type, total, succeeded, failed, live, rows_written, error,"
+        "       started"
+        "  FROM dispatch_sliceplan WHERE run_id = ANY(%(runs)s::uuid[])",
+        {"runs": run_ids},
+    ):
+        state.plans[row[0]] = PlanRow(*row)
+    for row in rows(
+        "SELECT parent_id, number, lower, upper, run_id, rows_written FROM dispatch_slice"
+        " WHERE parent_id = ANY(%(runs)s::uuid[]) ORDER BY parent_id, number",
+        {"runs": list(state.plans)},
+    ):
+        state.slices.setdefault(row[0], []).append(SliceRow(*row))
     binding_ids = list({r.binding_id for r in state.runs.values()})
     for row in rows(
         "SELECT b.id, j.max_attempts, src.kind, j.source_spec, snk.id, snk.kind, j.sink_spec,"

@@ -11,11 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
+from django.db.models import F
 
 from dispatch import services
 from dispatch.models import Attempt, Datasource, Job, JobBinding, Run
@@ -238,3 +240,67 @@ def test_browser__the_run_list_fits_1280_px_beside_the_menu_and_the_filters(page
     )
     assert widths["document"] <= 1280, widths
     assert widths["table"] <= widths["room"], f"the run list overflows its room: {widths}"
+
+
+def test_browser__a_sliced_runs_page_shows_its_slices(page: Any) -> None:
+    """A sliced run caught half-way: one slice done, one running with progress, one
+    failed, one queued, two not started; its page shows them all and their sum."""
+    job = Job.objects.create(
+        name="orders-sliced-job",
+        source_spec={"table": "orders", "slices": {"key": "id", "count": 6}},
+        sink_spec={"table": "orders_copy"},
+        max_slices_in_flight=4,
+        max_attempts=1,
+    )
+    b = JobBinding.objects.create(
+        name="orders-sliced",
+        job=job,
+        source=DatasourceFactory(),
+        sink=SinkFactory(),
+        max_concurrency=8,
+    )
+    run = services.trigger(b)
+    [c] = claims.claim("browser-slices", run_id=run.id, limit=1, generic=False)
+    edges: list[str | None] = [None, *[str(i * 250_000) for i in range(1, 6)], None]
+    claims.plan_slices(
+        c.attempt_id, c.lease_token, key="id", key_type="bigint", method="count",
+        basis="count 6: equal widths of [1, 1500000]",
+        bounds=[(edges[i], edges[i + 1]) for i in range(6)],
+        source_spec=job.source_spec, sink_spec=job.sink_spec,
+    )  # fmt: skip
+
+    def slice_claim(number: int) -> claims.ClaimedAttempt:
+        child = Run.objects.get(parent=run, slice_number=number)
+        [got] = claims.claim("browser-slices", run_id=child.id, limit=1, generic=False)
+        return got
+
+    done = slice_claim(1)
+    claims.settle(
+        done.attempt_id, done.lease_token, "SUCCEEDED", rows_read=250_000, rows_written=250_000
+    )
+    running = slice_claim(2)
+    # Database times as a real copy leaves them: 9 s for slice 1, 4 s so far for 2.
+    Attempt.objects.filter(pk=done.attempt_id).update(
+        finished_at=F("claimed_at") + timedelta(seconds=9)
+    )
+    Attempt.objects.filter(pk=running.attempt_id).update(
+        rows_read=120_000,
+        rows_written=110_000,
+        rows_estimated=250_000,
+        heartbeat_at=F("claimed_at") + timedelta(seconds=4),
+    )
+    failed = slice_claim(3)
+    claims.settle(
+        failed.attempt_id, failed.lease_token, "PERMANENT", reason=Reason.PERMANENT_ERROR,
+        error='duplicate key value violates unique constraint "orders_copy_pkey"',
+    )  # fmt: skip
+    page.goto(f"{page.base}/admin/dispatch/run/{run.id}/change/")
+    page.wait_for_selector("#dsp-slice-table")
+    states = page.eval_on_selector_all(
+        "#dsp-slice-table tbody tr", "rows => rows.map(r => r.dataset.state)"
+    )
+    assert states == ["done", "running", "failed", "waiting", "waiting", "waiting"]
+    assert "1 of 6 slices done" in page.inner_text("#dsp-slices-progress")
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+    SCREENSHOTS.mkdir(exist_ok=True)
+    page.locator("#slices").screenshot(path=str(SCREENSHOTS / "run-slices.png"))
