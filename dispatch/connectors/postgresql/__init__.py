@@ -16,6 +16,7 @@ import psycopg
 from django.core.exceptions import ValidationError
 from psycopg.conninfo import conninfo_to_dict
 
+from dispatch.conf import SSLMODES
 from dispatch.connectors import incremental
 from dispatch.connectors.base import (
     Column,
@@ -31,7 +32,6 @@ from dispatch.connectors.postgresql.connect import (
     AUTH_METHODS,
     DEFAULT_LOCK_TIMEOUT_SECONDS,
     DEFAULT_STATEMENT_TIMEOUT_SECONDS,
-    SSLMODES,
     URL_EXCLUSIVE,
     _errors,
     _secrets,
