@@ -107,6 +107,7 @@ def listen_url() -> str:
     return str(getattr(settings, "DISPATCH_LISTEN_URL", "") or "")
 
 
+# libpq's sslmode values: a LISTEN URL's and a `postgresql` datasource's choices.
 SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 
 

@@ -149,17 +149,6 @@ class ScheduleAdmin(ManagedByFilesAdmin):
     # One query for the page: the binding and the last run are joined, the upcoming
     # times are computed from the row itself.
     list_select_related = ["binding", "last_run"]
-    readonly_fields = [
-        "explanation",
-        "next_fire_at",
-        "upcoming",
-        "last_fired_at",
-        "last_run_link",
-        "skip_count",
-        "last_skip_reason",
-        "last_skip_at",
-        "created_at",
-    ]
     state_fields = [
         "next_fire_at",
         "upcoming",
@@ -170,6 +159,7 @@ class ScheduleAdmin(ManagedByFilesAdmin):
         "last_skip_at",
         "created_at",
     ]
+    readonly_fields = ["explanation", *state_fields]
     actions = ["enable_schedules", "disable_schedules"]
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 from pathlib import Path
@@ -120,3 +121,38 @@ def test_every_silenced_broad_except_says_why() -> None:
         and not re.search(r"BLE001[A-Z0-9, ]* - \w+", line)
     ]
     assert not bare, bare
+
+
+def _module_constants(path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, value) of each module-level literal tuple, list or set of three or more items
+    in `path`, the value as its items' sorted reprs."""
+    found = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        try:
+            literal = ast.literal_eval(value)
+        except ValueError:  # not a literal: a call, a comprehension, a name
+            continue
+        if isinstance(literal, tuple | list | set | frozenset) and len(literal) >= 3:
+            items = tuple(sorted(repr(item) for item in literal))
+            found += [(t.id, items) for t in targets if isinstance(t, ast.Name)]
+    return found
+
+
+def test_no_constant_is_defined_again_in_another_module() -> None:
+    """A list of values the apps share (libpq's sslmodes, the system's trees, ...) has one
+    module that owns it; a copy elsewhere drifts from it."""
+    owners: dict[tuple[str, ...], list[str]] = {}
+    for app in ("dispatch", "scheduling"):
+        for path in (ROOT / app).rglob("*.py"):
+            if "migrations" in path.parts:  # frozen snapshots repeat by design
+                continue
+            for name, items in _module_constants(path):
+                owners.setdefault(items, []).append(f"{path.relative_to(ROOT)}:{name}")
+    again = [places for places in owners.values() if len(places) > 1]
+    assert not again, again

@@ -30,6 +30,19 @@ from dispatch.services import ActionRefused
 
 # A new token's expiry unless the form says otherwise.
 DEFAULT_DAYS = 90
+# A token's identity, owner, lifetime and scope are fixed once it exists: a change is a
+# new token (and the old one revoked). Its change page shows these read-only, its name
+# editable.
+FIXED_FIELDS = (
+    "user",
+    "public_prefix",
+    "state",
+    "created_at",
+    "expires_at",
+    "last_used_at",
+    "revoked_at",
+    "bindings",
+)
 
 
 def _revoke(request: HttpRequest, token: ApiToken) -> ActionResult:
@@ -87,17 +100,7 @@ class ApiTokenAdmin(ConsoleAdmin):
 
     def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         if obj is not None:
-            return [
-                "name",
-                "user",
-                "public_prefix",
-                "state",
-                "created_at",
-                "expires_at",
-                "last_used_at",
-                "revoked_at",
-                "bindings",
-            ]
+            return ["name", *FIXED_FIELDS]
         if request.user.is_superuser:
             return ["name", "user", "expires_at", "bindings"]
         return ["name", "expires_at", "bindings"]
@@ -105,18 +108,7 @@ class ApiTokenAdmin(ConsoleAdmin):
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         if obj is None:
             return []
-        # A token's identity, owner, lifetime and scope are fixed once it exists: a
-        # change is a new token (and the old one revoked).
-        return [
-            "user",
-            "public_prefix",
-            "state",
-            "created_at",
-            "expires_at",
-            "last_used_at",
-            "revoked_at",
-            "bindings",
-        ]
+        return list(FIXED_FIELDS)
 
     def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
         days = min(DEFAULT_DAYS, conf.api_token_max_days())

@@ -12,8 +12,9 @@ site's own secrets out. So the site's settings confine what a reference may name
   prefix; a prefix that covers one of them is refused (system check dispatch.E018);
 - `file:/path`: the path's real path (every symbolic link followed) must lie inside one
   of `DISPATCH_APPLY_SECRET_DIRS` (default none: file references are off), none of which
-  may be a system directory (dispatch.E018); the file must be a regular file of at most
-  `MAX_SECRET_FILE_BYTES`.
+  may be a system directory or another place `dispatch.security.paths` protects, nor lie
+  in /etc, /proc, /sys, /dev or /boot (dispatch.E018); the file must be a regular file of
+  at most `MAX_SECRET_FILE_BYTES`.
 
 Messages name the reference, never the value.
 """
@@ -26,7 +27,7 @@ import stat
 from dataclasses import dataclass
 
 from dispatch import conf
-from dispatch.security import limits
+from dispatch.security import limits, paths
 
 SCHEMES = ("env", "file")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -44,21 +45,17 @@ SITE_VARIABLES = frozenset(
         "DISPATCH_ALERT_WEBHOOKS",
     }
 )
-# Never a secrets directory, nor anything inside the first five.
-SYSTEM_DIRS = ("/etc", "/proc", "/sys", "/dev", "/boot")
-BROAD_DIRS = (
-    "/",
-    "/bin",
-    "/sbin",
-    "/lib",
-    "/lib64",
-    "/usr",
-    "/root",
-    "/home",
-    "/var",
-    "/run",
-    "/tmp",
-)
+# What a secrets directory may never be (dispatch.E018). Never inside these system
+# trees (paths.SYSTEM_TREES), which hold the system's own secrets and kernel interfaces
+# (/proc/self/environ holds SECRET_KEY): a file reference there reads them.
+NEVER_INSIDE = ("/etc", "/proc", "/sys", "/dev", "/boot")
+# Never one of these roots of other people's data. A directory inside one is fine.
+BROAD_DIRS = ("/", "/home", "/var", "/tmp")
+# Nor ever one of the protected places of dispatch.security.paths (a system tree, a
+# directory Python imports code from, the Python installation, a directory on PATH, the
+# home directory): each holds far more than secrets (a checkout's .env, ~/.pgpass). A
+# directory inside one is fine (/run/secrets/dispatch, /usr/local/etc/secrets).
+_ONLY_SECRETS = "name a directory that holds only secrets"
 
 
 class RefError(ValueError):
@@ -111,10 +108,15 @@ def dir_problem(path: str) -> str | None:
     if not os.path.isabs(path):
         return f"{path!r} is not an absolute path"
     real = os.path.realpath(path)
-    for system in (*SYSTEM_DIRS, *BROAD_DIRS):
-        inside = system in SYSTEM_DIRS and real.startswith(system + "/")
-        if real == os.path.realpath(system) or inside:
-            return f"{path!r} is (or is inside) {system}: name a directory that holds only secrets"
+    for root in NEVER_INSIDE:
+        if paths.within(real, os.path.realpath(root)):
+            return f"{path!r} is (or is inside) {root}: {_ONLY_SECRETS}"
+    for root in BROAD_DIRS:
+        if real == os.path.realpath(root):
+            return f"{path!r} is (or is inside) {root}: {_ONLY_SECRETS}"
+    for place in paths.protected():
+        if real == place.path:
+            return f"{path!r} is {place.what} ({place.path}): {_ONLY_SECRETS}"
     return None
 
 
@@ -164,9 +166,10 @@ def resolve(ref: SecretRef) -> str:
 
 
 def _inside(real: str, dirs: list[str]) -> str | None:
+    """The first of `dirs` (resolved) that the real path `real` lies in, never is."""
     for root in dirs:
         base = os.path.realpath(root)
-        if real != base and os.path.commonpath([base, real]) == base:
+        if real != base and paths.within(real, base):
             return base
     return None
 

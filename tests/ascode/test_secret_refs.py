@@ -11,8 +11,8 @@ from django.test import override_settings
 
 from dispatch.checks import check_apply_secret_settings
 from dispatch.models import Datasource
-from dispatch.security import limits
-from dispatch.security.secretrefs import RefError, parse, resolve
+from dispatch.security import limits, paths
+from dispatch.security.secretrefs import NEVER_INSIDE, RefError, dir_problem, parse, resolve
 from tests.support.ascode import apply_text, plan_text
 
 WAREHOUSE = """
@@ -140,6 +140,8 @@ def test_file_ref__problems_name_file_line_and_field_never_the_value(
         ({"DISPATCH_APPLY_ENV_PREFIX": "MY-SECRETS"}, "not the start of an environment"),
         ({"DISPATCH_APPLY_SECRET_DIRS": ["/etc"]}, "'/etc' is (or is inside) /etc"),
         ({"DISPATCH_APPLY_SECRET_DIRS": ["/"]}, "'/' is (or is inside) /"),
+        ({"DISPATCH_APPLY_SECRET_DIRS": ["/proc/self"]}, "'/proc/self' is (or is inside) /proc"),
+        ({"DISPATCH_APPLY_SECRET_DIRS": ["/var/lib"]}, "'/var/lib' is a system directory"),
         ({"DISPATCH_APPLY_SECRET_DIRS": ["secrets"]}, "'secrets' is not an absolute path"),
     ],
 )
@@ -155,3 +157,19 @@ def test_check__unsafe_secret_settings_are_reported_as_E018(
 
 def test_check__the_defaults_pass() -> None:
     assert check_apply_secret_settings() == []
+
+
+def test_secret_dirs__never_a_place_paths_protects_but_a_directory_inside_one_is_fine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The protected places are dispatch.security.paths' own: a directory put on PATH
+    now is one at once."""
+    on_path = tmp_path / "bin"
+    on_path.mkdir()
+    monkeypatch.setenv("PATH", f"{on_path}{os.pathsep}{os.environ.get('PATH', '')}")
+
+    problem = dir_problem(str(on_path))
+    assert problem is not None and f"is a directory on PATH ({on_path.resolve()})" in problem
+    assert dir_problem(str(on_path / "secrets")) is None
+    assert dir_problem("/run/secrets/dispatch") is None  # inside /run, a system tree
+    assert set(NEVER_INSIDE) <= set(paths.SYSTEM_TREES)

@@ -159,7 +159,10 @@ def test_connection_budget__direct_worker_listen_main_heartbeat_and_one_per_busy
         "DISPATCH_RETENTION_INTERVAL": "50",
     }
     try:
-        binding = BindingFactory(max_concurrency=3, job__source_spec=test_worker.slow_spec(20))
+        # A slot's connection opens at its run's first database call (a generate -> null
+        # run makes it only as it ends) and stays open: the count below is whole once the
+        # runs settle, so a short run proves what a long one would.
+        binding = BindingFactory(max_concurrency=3, job__source_spec=test_worker.slow_spec(4))
         start_worker(direct, "--concurrency", "4", "--worker-id", "w-budget")
         runs = [trigger(binding) for _ in range(3)]
         wait_until(

@@ -17,6 +17,7 @@ from django.core.exceptions import ValidationError
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from dispatch.conf import SSLMODES
 from dispatch.connectors import incremental
 from dispatch.connectors.base import (
     Column,
@@ -33,7 +34,6 @@ from dispatch.connectors.postgresql.connect import (
     AUTH_METHODS,
     DEFAULT_LOCK_TIMEOUT_SECONDS,
     DEFAULT_STATEMENT_TIMEOUT_SECONDS,
-    SSLMODES,
     URL_EXCLUSIVE,
     _errors,
     _secrets,

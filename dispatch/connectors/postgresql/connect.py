@@ -25,7 +25,6 @@ from dispatch.connectors.base import (
 )
 from dispatch.security import limits, targets
 
-SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 CONNECT_TIMEOUT_SECONDS = 10
 DEFAULT_STATEMENT_TIMEOUT_SECONDS = 3600
 DEFAULT_LOCK_TIMEOUT_SECONDS = 10

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import uuid
+from typing import TypeVar
 
 from django.core.management.base import CommandError
 
 from dispatch.models import Attempt, JobBinding, Run
+
+M = TypeVar("M", Run, Attempt)
 
 
 def _uuid(value: str) -> uuid.UUID | None:
@@ -27,21 +30,19 @@ def binding_from_arg(value: str) -> JobBinding:
     return binding
 
 
-def run_from_arg(value: str) -> Run:
+def _by_id(model: type[M], value: str, noun: str, article: str = "a") -> M:
     as_id = _uuid(value)
     if as_id is None:
-        raise CommandError(f"{value!r} is not a run id (a UUID).")
-    run = Run.objects.filter(pk=as_id).first()
-    if run is None:
-        raise CommandError(f"No run with id {value}.")
-    return run
+        raise CommandError(f"{value!r} is not {article} {noun} id (a UUID).")
+    row = model._default_manager.filter(pk=as_id).first()
+    if row is None:
+        raise CommandError(f"No {noun} with id {value}.")
+    return row
+
+
+def run_from_arg(value: str) -> Run:
+    return _by_id(Run, value, "run")
 
 
 def attempt_from_arg(value: str) -> Attempt:
-    as_id = _uuid(value)
-    if as_id is None:
-        raise CommandError(f"{value!r} is not an attempt id (a UUID).")
-    attempt = Attempt.objects.filter(pk=as_id).first()
-    if attempt is None:
-        raise CommandError(f"No attempt with id {value}.")
-    return attempt
+    return _by_id(Attempt, value, "attempt", "an")
