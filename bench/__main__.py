@@ -21,7 +21,6 @@ ALL: list[str] = [
     "contention",
     "recovery",
     "copy_pg",
-    "movement",
     "pgbouncer",
     "soak",
 ]
