@@ -249,26 +249,32 @@ class _Reader:
             result = pgconn.get_result()
             if result is None or result.status != pq.ExecStatus.COPY_OUT:
                 _raise_result(pgconn, result)
+            # The loop below runs once per row: kept to the fewest Python operations (bound
+            # methods in locals; the rows of a block are its messages, counted at the end).
+            get_copy_data = pgconn.get_copy_data
             parts: list[bytes | memoryview] = []
-            size = rows = 0
+            append = parts.append
+            size = 0
             while True:
-                nbytes, data = pgconn.get_copy_data(1)
+                nbytes, data = get_copy_data(1)
                 if nbytes > 0:
                     # Flush before appending, so the last message (the binary trailer)
                     # is always in the final block.
                     if size >= COPY_BLOCK_BYTES:
                         with self._canceller.suspended():
-                            yield b"".join(parts), rows
-                        parts, size, rows = [], 0, 0
-                    parts.append(data)
+                            yield b"".join(parts), len(parts)
+                        parts = []
+                        append = parts.append
+                        size = 0
+                    append(data)
                     size += nbytes
-                    rows += 1
                     continue
                 if nbytes == 0:  # libpq's buffer is empty: wait for the socket
                     select.select([pgconn.socket], [], [])
                     pgconn.consume_input()
                     continue
                 break  # -1: the COPY is complete (-2, an error, is raised below)
+            rows = len(parts)
             if fmt == "binary" and parts:
                 rows -= 1  # the trailer message
             _wait(pgconn)
@@ -276,6 +282,11 @@ class _Reader:
             if parts:
                 with self._canceller.suspended():
                     yield b"".join(parts), rows
+
+    def interrupt(self) -> None:
+        """Cancel the statement (or COPY) running on the connection, from another thread
+        (the runner's, when the sink side of a copy has stopped)."""
+        self._canceller.interrupt()
 
 
 def _wait(pgconn: Any) -> None:

@@ -60,6 +60,7 @@ class _Writer:
         self._copy_cm: Any = None
         self._copy_cursor: Any = None
         self._copy_fmt: str | None = None
+        self._copy_options: dict[str, Any] = {}
         self._target_types: dict[str, str] = {}
         self._convert: list[Callable[[Any], Any] | None] = []
         # Incremental reads: the committed cursor this attempt read, and the one to commit.
@@ -291,6 +292,37 @@ class _Writer:
             self._copy_fmt = "text"
         return self._copy_fmt
 
+    def accept_copy(self, fmt: str, options: dict[str, Any]) -> bool:
+        """Take a source's own COPY format as it is: CSV (a file) with its delimiter, null
+        marker (None: none, every field is a string) and header line; the server parses
+        it, in UTF-8."""
+        if self.already_committed or fmt != "csv":
+            return False
+        self._copy_fmt = "csv"
+        self._copy_options = dict(options)
+        return True
+
+    def _copy_sql_options(self, fmt: str) -> sql.Composable:
+        if fmt != "csv":
+            return sql.SQL("BINARY" if fmt == "binary" else "TEXT")
+        opts = self._copy_options
+        parts = [
+            sql.SQL("CSV, DELIMITER {}, HEADER {}, ENCODING 'UTF8'").format(
+                sql.Literal(opts.get("delimiter", ",")),
+                sql.SQL("true" if opts.get("header") else "false"),
+            )
+        ]
+        if opts.get("null") is None:
+            # No null marker: an unquoted empty field is an empty string, as on the rows path.
+            parts.append(
+                sql.SQL("FORCE_NOT_NULL ({})").format(
+                    sql.SQL(", ").join(sql.Identifier(c.name) for c in self.source_columns)
+                )
+            )
+        else:
+            parts.append(sql.SQL("NULL {}").format(sql.Literal(opts["null"])))
+        return sql.SQL(", ").join(parts)
+
     def _start_copy(self, fmt: str) -> Any:
         assert self.conn is not None
         if self._copy is not None:
@@ -303,7 +335,7 @@ class _Writer:
         stmt = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {})").format(
             target,
             sql.SQL(", ").join(sql.Identifier(c.name) for c in self.source_columns),
-            sql.SQL("BINARY" if fmt == "binary" else "TEXT"),
+            self._copy_sql_options(fmt),
         )
         self._copy_cursor = self.conn.cursor()
         self._copy_cm = self._copy_cursor.copy(stmt)
