@@ -122,6 +122,11 @@ class Writer(Protocol):
 # runner then skips the transfer and calls `commit()` at once.
 
 
+# A sink connector with `open_before_columns = True` may be opened (`open_writer`) with the
+# columns list still empty: the runner fills that same list once the source is open,
+# before the writer's first use, so both sides connect at the same time.
+
+
 class CopyReader(Protocol):
     columns: list[Column]
 

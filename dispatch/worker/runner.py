@@ -8,6 +8,7 @@ settlement that matches no row means the attempt was lost and nothing is recorde
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
 import logging
 import queue
@@ -31,7 +32,7 @@ from dispatch.connectors.base import (
     spec_errors,
 )
 from dispatch.db import DB_ERRORS, one_line, storable
-from dispatch.security import crypto
+from dispatch.security import crypto, targets
 from dispatch.states import Reason, Status
 from dispatch.worker import claims
 from dispatch.worker.claims import ClaimedAttempt
@@ -360,6 +361,54 @@ class CopyPump:
             self.thread.join(PUMP_JOIN_SECONDS)
 
 
+def _open_both(
+    stack: contextlib.ExitStack,
+    source: Any,
+    sink: Any,
+    source_args: tuple[dict[str, Any], dict[str, Any]],
+    sink_args: tuple[dict[str, Any], dict[str, Any]],
+    ctx: Context,
+) -> tuple[Any, Any]:
+    """Open the reader, then the writer with the reader's columns (a sink may create its
+    table); both at once, the writer on a thread of its own, when the sink can be opened
+    before it knows the columns (`open_before_columns`): the two connections and their
+    set-up then overlap. Both end up on `stack`; an error of either is raised after both
+    are open or failed (the reader's first), and what did open is closed."""
+    if not getattr(sink, "open_before_columns", False):
+        reader = stack.enter_context(source.open_reader(*source_args, ctx))
+        writer = stack.enter_context(sink.open_writer(*sink_args, ctx, reader.columns))
+        return reader, writer
+    columns: list[Any] = []  # filled below, before the writer's first use
+    opened: dict[str, Any] = {}
+
+    def open_writer() -> None:
+        cm = sink.open_writer(*sink_args, ctx, columns)
+        try:
+            opened["writer"] = cm.__enter__()
+            opened["cm"] = cm
+        except BaseException as exc:  # noqa: BLE001 - raised on the runner's thread below
+            opened["error"] = exc
+
+    # The site database's fingerprint (the target policy's check of each connection) is
+    # read here once: the sink's thread must not open a site connection of its own.
+    with targets.site_fingerprint_pinned():
+        context = contextvars.copy_context()
+        thread = threading.Thread(
+            target=context.run, args=(open_writer,), name="dispatch-open-sink", daemon=True
+        )
+        thread.start()
+        try:
+            reader = stack.enter_context(source.open_reader(*source_args, ctx))
+        finally:
+            thread.join()
+            if "cm" in opened:
+                stack.push(opened["cm"])
+    if "error" in opened:
+        raise opened["error"]
+    columns.extend(reader.columns)
+    return reader, opened["writer"]
+
+
 class Runner:
     """Runs one attempt to its outcome. `on_fenced` counts stale commits a sink refused."""
 
@@ -528,11 +577,15 @@ class Runner:
         self.secrets = _secret_values(source, source_config) + _secret_values(sink, sink_config)
         ctx = Context(self.control)
         try:
-            # The writer is opened with the reader's columns (a sink may create its table).
-            with (
-                source.open_reader(source_config, c.source_spec, ctx) as reader,  # type: ignore[arg-type]
-                sink.open_writer(sink_config, c.sink_spec, ctx, reader.columns) as writer,  # type: ignore[arg-type]
-            ):
+            with contextlib.ExitStack() as stack:
+                reader, writer = _open_both(
+                    stack,
+                    source,
+                    sink,
+                    (source_config, c.source_spec),
+                    (sink_config, c.sink_spec),
+                    ctx,
+                )
                 self.cursor = incremental.prepare(reader, writer)
                 if self.cursor is not None:
                     self._record_cursor(self.cursor)

@@ -61,6 +61,9 @@ class PostgreSQLConnector(Connector):
     kind = "postgresql"
     label = "PostgreSQL"
     roles = frozenset({"source", "sink"})
+    # The writer connects and raises its fence without the source's columns, and reads
+    # them at its first use: the runner opens it while the source is opened (base.py).
+    open_before_columns = True
     config_fields = (
         ConfigField("host", destination=True, help="Host name or address (or use url)."),
         ConfigField("port", kind=int, destination=True, help="Port, default 5432."),

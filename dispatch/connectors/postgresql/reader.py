@@ -16,9 +16,8 @@ from dispatch.connectors.postgresql.cancel import _Canceller
 from dispatch.connectors.postgresql.connect import (
     _errors,
     _secrets,
-    _set_timeouts,
     _table_sql,
-    connect,
+    open_session,
     parse_table,
 )
 from dispatch.security import targets
@@ -88,10 +87,11 @@ class _Reader:
         return sql.SQL(_strip_query(self.spec["query"]))  # type: ignore[arg-type]
 
     def open(self) -> None:
-        self.conn = connect(self.config, what="source connect")
+        session = open_session(self.config, self.spec, what="source connect")
+        self.conn = session.conn
         self._canceller.attach(self.conn)
+        self._canceller.watch(session.pid)
         with _errors(self.secrets, "source", self._canceller):
-            self._canceller.watch(_set_timeouts(self.conn, self.spec))
             if self.spec.get("query") and targets.query_sources_least_privilege():
                 _check_least_privilege(self.conn)
             self.conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ

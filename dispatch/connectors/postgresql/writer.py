@@ -24,9 +24,8 @@ from dispatch.connectors.postgresql.cancel import _Canceller
 from dispatch.connectors.postgresql.connect import (
     _errors,
     _secrets,
-    _set_timeouts,
     _table_sql,
-    connect,
+    open_session,
     parse_table,
 )
 
@@ -55,6 +54,7 @@ class _Writer:
         self.schema = ""
         self.name = ""
         self.already_committed = False
+        self._prepared = False
         self.rows = 0
         self._copy: Any = None
         self._copy_cm: Any = None
@@ -71,17 +71,24 @@ class _Writer:
 
     # -- set-up --------------------------------------------------------------------------
     def open(self) -> None:
-        self.conn = connect(self.config, what="sink connect")
+        session = open_session(self.config, self.spec, what="sink connect")
+        self.conn = session.conn
         self._canceller.attach(self.conn)
+        self._canceller.watch(session.pid)
         with _errors(self.secrets, "sink", self._canceller):
-            self._canceller.watch(_set_timeouts(self.conn, self.spec))
             schema, self.name = parse_table(self.spec["table"])
-            current = self.conn.execute("SELECT pg_catalog.current_schema()").fetchone()
-            self.schema = schema or (current[0] if current else "public")
-            self.conn.commit()
+            self.schema = schema or session.schema
             self._raise_fence()
-            if self.already_committed:
-                return
+        # The data transaction begins at the writer's first use (`_ready`), not here: the
+        # runner may open this writer while the source is still being described, and
+        # the source's columns (which `_prepare` needs) arrive only then.
+
+    def _ready(self) -> None:
+        """Begin the data transaction (`_prepare`) on the writer's first use."""
+        if self._prepared or self.already_committed:
+            return
+        self._prepared = True
+        with _errors(self.secrets, "sink", self._canceller):
             self._prepare()
 
     @property
@@ -94,19 +101,20 @@ class _Writer:
         assert self.conn is not None
         fence = self.ctx.fence
         conn = self.conn
-        sqlsafety.create_once(
-            conn,
-            "dispatch_fence",
-            self.schema,
-            sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (run_id uuid PRIMARY KEY,"
-                " binding_id uuid, token bigint NOT NULL, attempt_id uuid,"
-                " committed_at timestamptz)"
-            ).format(self._fence_table),
-        )
-        # The committed cursors of incremental reads live beside the fence; made here, in
-        # a transaction of its own, so no data transaction ever holds its creation.
-        incremental.ensure_table(conn, self.schema)
+        if not self._fence_tables_exist():
+            sqlsafety.create_once(
+                conn,
+                "dispatch_fence",
+                self.schema,
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (run_id uuid PRIMARY KEY,"
+                    " binding_id uuid, token bigint NOT NULL, attempt_id uuid,"
+                    " committed_at timestamptz)"
+                ).format(self._fence_table),
+            )
+            # The committed cursors of incremental reads live beside the fence; made here,
+            # in a transaction of its own, so no data transaction ever holds its creation.
+            incremental.ensure_table(conn, self.schema)
         with conn.transaction():
             # ON CONFLICT DO UPDATE re-evaluates its WHERE on the newest committed version
             # of the row (after waiting for a concurrent commit that holds it), so a commit
@@ -137,11 +145,27 @@ class _Writer:
             f"{fence.token}"
         )
 
+    def _fence_tables_exist(self) -> bool:
+        """Whether `dispatch_fence` and `dispatch_cursor` are there (one catalog read, in
+        place of two creations that find them): a table dropped after this read makes
+        the fence's statements fail, and the attempt with them (transient)."""
+        assert self.conn is not None
+        row = self.conn.execute(
+            "SELECT pg_catalog.count(*) FROM pg_catalog.pg_class c"
+            " JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
+            " WHERE n.nspname OPERATOR(pg_catalog.=) %s"
+            " AND c.relname OPERATOR(pg_catalog.=) ANY (%s::pg_catalog.text[])",
+            [self.schema, ["dispatch_fence", "dispatch_cursor"]],
+        ).fetchone()
+        self.conn.commit()
+        return bool(row and row[0] == 2)
+
     # -- the committed cursor of an incremental read (dispatch/connectors/incremental.py) --
     def cursor_state(self, inc: incremental.IncrementalSpec) -> incremental.CommittedCursor:
         """The binding's committed cursor, as this sink holds it (the truth). Read inside
         the data transaction; `commit()` moves it with a compare-and-set on its version."""
         assert self.conn is not None
+        self._ready()
         if self.mode == "replace":
             raise PermanentError(
                 "incremental reads need an append or upsert sink: replace would keep only "
@@ -286,6 +310,7 @@ class _Writer:
         sink parses it, so compatible types such as integer -> bigint work)."""
         if self.already_committed:
             return None
+        self._ready()
         if all(c.type and self._target_types.get(c.name) == c.type for c in columns):
             self._copy_fmt = "binary"
         else:
@@ -298,6 +323,7 @@ class _Writer:
         it, in UTF-8."""
         if self.already_committed or fmt != "csv":
             return False
+        self._ready()
         self._copy_fmt = "csv"
         self._copy_options = dict(options)
         return True
@@ -346,6 +372,7 @@ class _Writer:
     def write_copy(self, data: bytes, rows: int) -> int:
         if self.already_committed:
             return 0
+        self._ready()
         with _errors(self.secrets, "sink write", self._canceller):
             self._start_copy(self._copy_fmt or "text")
             self._copy.write(data)
@@ -355,6 +382,7 @@ class _Writer:
     def write(self, batch: Batch) -> int:
         if self.already_committed:
             return 0
+        self._ready()
         with _errors(self.secrets, "sink write", self._canceller):
             # Text COPY: the server parses each value into the column's type, so rows from
             # any source (strings from a CSV, Python values from a generator) fit.
@@ -378,6 +406,7 @@ class _Writer:
     def commit(self) -> WriteResult:
         if self.already_committed:
             return WriteResult(rows_written=0, already_committed=True)
+        self._ready()
         assert self.conn is not None
         conn = self.conn
         fence = self.ctx.fence
