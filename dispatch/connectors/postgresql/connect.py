@@ -279,7 +279,7 @@ def open_session(config: dict[str, Any], spec: dict[str, Any], *, what: str) -> 
     """`connect()` then `_set_timeouts()`, the same checks and settings in two round trips
     after the connection's start-up: the session's search_path is read, then everything
     else goes in one pipeline (the safe search_path, the timeouts and output formats, the
-    current schema, and the site fingerprint in a transaction under `catalog_only`)."""
+    current schema, and the site fingerprint under `catalog_only`)."""
     secrets = _secrets(config)
     problems = policy_errors(config)
     if problems:
@@ -297,10 +297,12 @@ def open_session(config: dict[str, Any], spec: dict[str, Any], *, what: str) -> 
                 schema = conn.execute("SELECT pg_catalog.current_schema()")
                 site = None
                 if check_site:
-                    conn.execute("BEGIN")
+                    # The pipeline's statements run in one implicit transaction, which
+                    # commits at its end: catalog_only's transaction-local search_path
+                    # ends there, the session's settings above stay. (No BEGIN/ROLLBACK
+                    # here: they would take the statements before them along.)
                     sqlsafety.catalog_only(conn)
                     site = conn.execute(targets.SITE_FINGERPRINT_SQL)
-                    conn.execute("ROLLBACK")
             pid_row, schema_row = settings.fetchone(), schema.fetchone()
             site_row = site.fetchone() if site is not None else None
             conn.autocommit = False

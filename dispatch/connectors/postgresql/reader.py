@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import select
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,8 @@ from dispatch.connectors.postgresql.connect import (
     parse_table,
 )
 from dispatch.security import targets
+
+log = logging.getLogger("dispatch.connectors")
 
 # Rows per batch on the decoded (row by row) path.
 BATCH_ROWS = 5000
@@ -75,6 +78,9 @@ class _Reader:
         # rows in this reader's snapshot before any is read.
         self.incremental = incremental.parse(spec)
         self._plan: incremental.CursorReadPlan | None = None
+        # An incremental read of a table with no index on its cursor: the statement that
+        # creates one (logged as a warning when the reader opens).
+        self.index_needed: str | None = None
         self.bounds: incremental.Bounds | None = None
 
     def _relation(self) -> sql.Composable:
@@ -137,6 +143,33 @@ class _Reader:
                 self._plan = incremental.CursorReadPlan(
                     self.incremental, self._relation(), self.columns
                 )
+                self._check_cursor_index(names, tables, attnums)
+
+    def _check_cursor_index(self, names: list[str], tables: list[int], attnums: list[int]) -> None:
+        """An incremental read of a table streams in the cursor's order only from a btree
+        index on the cursor columns: without one, the read still runs (sorting the whole
+        increment first) and the worker log names the index to create. A query source's
+        tables are not checked (docs/connectors.md)."""
+        assert self.conn is not None and self.incremental is not None
+        if not self.spec.get("table"):
+            return
+        cursor = self.incremental.cursor
+        at = [names.index(c) for c in cursor]
+        table_oids = {tables[i] for i in at}
+        if len(table_oids) != 1 or 0 in table_oids:
+            return
+        create = incremental.missing_index(
+            self.conn, table_oids.pop(), [attnums[i] for i in at], cursor
+        )
+        self.index_needed = create
+        if create is not None:
+            log.warning(
+                "incremental read of %s without an index on its cursor (%s): every run sorts "
+                "its whole increment before the first row moves; create one: %s",
+                self.spec["table"],
+                ", ".join(cursor),
+                create,
+            )
 
     def bound(self, start: list[str] | None) -> incremental.Bounds:
         """Incremental reads: the rows above `start` (the sink's committed cursor), decided
