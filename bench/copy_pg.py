@@ -43,7 +43,7 @@ COLUMNS = (
     "id bigint, customer text, amount numeric(12,2), created_at timestamptz, attrs jsonb,"
     " active boolean"
 )
-CASES = ("append", "replace", "upsert", "csv")
+CASES = ("append", "replace", "truncate", "upsert", "csv")
 # Set from --prefix in main(): the benchmark's three databases.
 APP_DB = SRC_DB = DST_DB = ""
 
@@ -64,6 +64,18 @@ def connect(server: str, db: str) -> psycopg.Connection[Any]:
     return common.connect(server, db)
 
 
+# The rows of every table: `rows` of them, of mixed types.
+GENERATE = sql.SQL(
+    "SELECT i::bigint AS id,"
+    " 'customer-' || lpad((i %% 1000)::text, 4, '0') AS customer,"
+    " ((i::bigint * 7919) %% 100000 / 100.0)::numeric(12,2) AS amount,"
+    " timestamptz '2024-01-01' + i * interval '1 second' AS created_at,"
+    " jsonb_build_object('tier', i %% 5, 'tags', jsonb_build_array('a', i %% 7)) AS attrs,"
+    " i %% 3 = 0 AS active"
+    " FROM generate_series(1, %s) AS i"
+)
+
+
 def ensure_source(server: str, table: str, rows: int) -> None:
     """`table` with `rows` rows of mixed types, made once per size (and analyzed)."""
     with connect(server, SRC_DB) as c:
@@ -75,19 +87,7 @@ def ensure_source(server: str, table: str, rows: int) -> None:
             if stats == (rows,):
                 return
         c.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
-        c.execute(
-            sql.SQL(
-                "CREATE TABLE {} AS SELECT i::bigint AS id,"
-                " 'customer-' || lpad((i %% 1000)::text, 4, '0') AS customer,"
-                " ((i::bigint * 7919) %% 100000 / 100.0)::numeric(12,2) AS amount,"
-                " timestamptz '2024-01-01' + i * interval '1 second' AS created_at,"
-                " jsonb_build_object('tier', i %% 5, 'tags', jsonb_build_array('a', i %% 7))"
-                "   AS attrs,"
-                " i %% 3 = 0 AS active"
-                " FROM generate_series(1, %s) AS i"
-            ).format(sql.Identifier(table)),
-            [rows],
-        )
+        c.execute(sql.SQL("CREATE TABLE {} AS ").format(sql.Identifier(table)) + GENERATE, [rows])
         c.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(table)))
 
 
@@ -119,6 +119,8 @@ def sink_spec(case: str, table: str) -> dict[str, Any]:
     sink = f"{table}_{case}"
     if case == "upsert":
         return {"table": sink, "mode": "upsert", "key": ["id"]}
+    if case == "truncate":
+        return {"table": sink, "mode": "replace", "truncate": True}
     return {"table": sink, "mode": "replace" if case == "replace" else "append"}
 
 
@@ -179,15 +181,24 @@ def setup_app(server: str, tables: list[str]) -> dict[tuple[str, str], Any]:
 
 
 def reset_sink(server: str, table: str, *, key: bool, rows: int = 0) -> None:
-    """A fresh sink table of the source's types (keyed on id for upsert); `rows` old rows
-    in it, so replace has rows to remove and upsert rows to update, as in production."""
+    """A fresh sink table of the source's types (keyed on id for upsert), holding `rows`
+    old rows (a replace has that many to remove)."""
     with connect(server, DST_DB) as c:
         ident = sql.Identifier(table)
         c.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(ident))
         c.execute(sql.SQL("CREATE TABLE {} (" + COLUMNS + ")").format(ident))  # type: ignore[operator]
         if key:
             c.execute(sql.SQL("ALTER TABLE {} ADD PRIMARY KEY (id)").format(ident))
+        if rows:
+            c.execute(sql.SQL("INSERT INTO {} ").format(ident) + GENERATE, [rows])
+            c.execute(sql.SQL("VACUUM ANALYZE {}").format(ident))
         c.execute("DROP TABLE IF EXISTS dispatch_fence")
+
+
+def old_rows(case: str, rows: int) -> int:
+    """What the sink holds before a round: a replace replaces a table as large as the
+    source (so the time to clear it counts); the other cases start empty."""
+    return rows if case in ("replace", "truncate") else 0
 
 
 def vm_hwm_kib(pid: int) -> int:
@@ -259,7 +270,7 @@ def worker_round(
 ) -> tuple[float, int]:
     """Seconds from trigger to SUCCEEDED with a fresh, idle worker; its peak RSS (KiB)."""
     sink = f"{table}_{case}"
-    reset_sink(server, sink, key=case == "upsert")
+    reset_sink(server, sink, key=case == "upsert", rows=old_rows(case, rows))
     with worker(server, f"copy-{sink}.log") as (proc, app):
         elapsed, _ = run_once(app, bindings[case, table], proc.log)
         peak = vm_hwm_kib(proc.popen.pid)
@@ -272,10 +283,10 @@ def worker_round(
 def raw_round(server: str, case: str, table: str, rows: int) -> float:
     """The same work with psql alone."""
     sink = f"{table}_{case}"
-    reset_sink(server, sink, key=case == "upsert")
+    reset_sink(server, sink, key=case == "upsert", rows=old_rows(case, rows))
     dst = url(server, DST_DB)
     # Constant identifiers (the benchmark's own table names), not user input.
-    if case == "replace":
+    if case in ("replace", "truncate"):
         load = ["-1", "-c", f"TRUNCATE {sink}", "-c", f"COPY {sink} FROM STDIN"]
     elif case == "upsert":
         load = [
@@ -480,7 +491,9 @@ def main(argv: list[str]) -> int:
 
     report.add(
         f"Rows: `{COLUMNS}`, {args.rows:,} of them; each sink table exists with the same "
-        "types (keyed on `id` for upsert) and is empty. A fresh `runworker --concurrency 1` "
+        "types (keyed on `id` for upsert); it is empty, except for replace (default: "
+        "`DELETE`; `truncate`: the spec's `truncate: true`), where it holds as many old "
+        "rows as the source. A fresh `runworker --concurrency 1` "
         "per worker round, listening before the trigger; time = trigger -> SUCCEEDED (wall "
         "clock, seen in `dispatch_run`: the run's fixed cost included). Raw: `psql` alone "
         "doing the same work (text COPY out | COPY in; replace: TRUNCATE + COPY in one "

@@ -263,3 +263,41 @@ def test_open_session__keeps_every_setting_after_its_pipeline(db: ScratchDB) -> 
         assert session.schema == "other"
     finally:
         session.conn.close()
+
+
+# --- replace: DELETE by default, TRUNCATE when asked ----------------------------------------------
+@pytest.mark.parametrize(
+    ("spec", "lock"),
+    [({}, "ShareRowExclusiveLock"), ({"truncate": True}, "AccessExclusiveLock")],
+    ids=["delete", "truncate"],
+)
+def test_replace__clears_the_table_under_the_lock_its_strategy_needs(
+    db: ScratchDB, spec: dict[str, Any], lock: str
+) -> None:
+    from dispatch.connectors.base import Column
+
+    db.execute("CREATE TABLE t (id int)")
+    db.execute("INSERT INTO t SELECT generate_series(1, 10)")
+    sink_spec = PG.validate_sink_spec({"table": "t", "mode": "replace", **spec})
+    with PG.open_writer(db.config, sink_spec, Ctx(), [Column("id", "integer")]) as writer:  # type: ignore[arg-type]
+        writer.write([[100], [200]])
+        held = db.execute(
+            "SELECT mode FROM pg_locks WHERE relation = 't'::regclass AND granted"
+            " AND pid <> pg_backend_pid()"
+        )
+        assert (lock,) in held
+        # Before COMMIT another session still sees the old rows (DELETE), or waits (TRUNCATE:
+        # not asked here, it would block).
+        if lock == "ShareRowExclusiveLock":
+            assert db.execute("SELECT count(*) FROM t") == [(10,)]
+        writer.commit()
+    assert db.execute("SELECT id FROM t ORDER BY id") == [(100,), (200,)]
+
+
+def test_replace__truncate_is_validated() -> None:
+    from django.core.exceptions import ValidationError
+
+    with pytest.raises(ValidationError, match="only used with mode replace"):
+        PG.validate_sink_spec({"table": "t", "mode": "append", "truncate": True})
+    with pytest.raises(ValidationError, match="true or false"):
+        PG.validate_sink_spec({"table": "t", "mode": "replace", "truncate": "yes"})

@@ -116,6 +116,11 @@ class PostgreSQLConnector(Connector):
         SpecField("key", "the key columns of upsert, a list"),
         SpecField("create", "true: create a missing table with the source's columns"),
         SpecField(
+            "truncate",
+            "replace only, true: TRUNCATE instead of DELETE (faster; readers wait for the "
+            "whole load, and an older snapshot sees the table empty)",
+        ),
+        SpecField(
             "statement_timeout_seconds",
             f"bound on each statement (default {DEFAULT_STATEMENT_TIMEOUT_SECONDS})",
         ),
@@ -217,6 +222,10 @@ class PostgreSQLConnector(Connector):
             raise ValidationError("key: only used with mode upsert")
         if not isinstance(spec.get("create", False), bool):
             raise ValidationError("create: must be true or false")
+        if not isinstance(spec.get("truncate", False), bool):
+            raise ValidationError("truncate: must be true or false")
+        if spec.get("truncate") and mode != "replace":
+            raise ValidationError("truncate: only used with mode replace")
         _timeouts(spec)
         return spec
 
