@@ -30,7 +30,7 @@ import tempfile
 from collections.abc import Iterator
 from datetime import date, datetime, time
 from pathlib import PurePosixPath
-from typing import IO, Any
+from typing import IO, Any, TextIO
 
 from django.core.exceptions import ValidationError
 
@@ -370,7 +370,7 @@ _END_MARKER = re.compile(rb"\n\\\.(?:\r|\n)")
 
 
 class _Reader:
-    def __init__(self, handle: IO[str], spec: dict[str, Any]) -> None:
+    def __init__(self, handle: TextIO, spec: dict[str, Any]) -> None:
         self.spec = spec
         self._handle = handle
         # True once the file went to the sink as raw CSV: the rows are then the sink's
