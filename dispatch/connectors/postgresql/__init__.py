@@ -239,6 +239,18 @@ class PostgreSQLConnector(Connector):
             conn.close()
 
     @classmethod
+    def cursor_index_needed(cls, config: dict[str, Any], spec: dict[str, Any]) -> str | None:
+        """For an incremental read of a table: the `CREATE INDEX` its cursor needs, or None
+        when the table has one (or the read is not of a table). Connects to the source
+        (a ConnectorError when it cannot)."""
+        reader = _Reader(config, spec, None)
+        try:
+            reader.open()
+            return reader.index_needed
+        finally:
+            reader.close()
+
+    @classmethod
     @contextlib.contextmanager
     def open_reader(
         cls, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext
