@@ -462,15 +462,18 @@ class _Reader:
             if not block:
                 break
             window = tail + block
-            if _END_MARKER.search(window) or (
-                len(block) < COPY_BLOCK_BYTES and window.endswith(b"\n\\.")
-            ):
-                raise PermanentError(
-                    f"{self.spec['path']!r} has a line holding only \\. (unquoted), which "
-                    "PostgreSQL's COPY reads as the end of the data: quote it"
-                )
-            tail = block[-3:]
+            if _END_MARKER.search(window):
+                self._end_marker()
+            tail = window[-3:]
             yield block, block.count(b"\n")
+        if tail.endswith(b"\n\\."):  # the last line, without a newline after it
+            self._end_marker()
+
+    def _end_marker(self) -> None:
+        raise PermanentError(
+            f"{self.spec['path']!r} has a line holding only \\. (unquoted), which "
+            "PostgreSQL's COPY reads as the end of the data: quote it"
+        )
 
     def _nulls(self, row: list[str]) -> list[str | None]:
         """NULL for each unquoted field equal to the null marker; a quoted one is data."""

@@ -108,12 +108,21 @@ def test_csv_to_postgresql__reads_a_file_without_header(tmp_path: Path, db: Scra
     assert rows[0][5] == [1] and rows[1][5] is None
 
 
+@pytest.mark.parametrize("block", [1 << 20, 4, 3, 2])
+@pytest.mark.parametrize(
+    "text", ["id,name\n1,a\n\\.\n2,b\n", "id,name\n1,a\n\\."], ids=["inside", "last-line"]
+)
 def test_csv_to_postgresql__an_unquoted_end_marker_line_is_refused(
-    tmp_path: Path, db: ScratchDB
+    tmp_path: Path,
+    db: ScratchDB,
+    monkeypatch: pytest.MonkeyPatch,
+    text: str,
+    block: int,
 ) -> None:
     """PostgreSQL's COPY would stop at a line holding only `\\.`: the rows after it would
-    be lost without a word, so the run fails and says why."""
-    (tmp_path / "in.csv").write_text("id,name\n1,a\n\\.\n2,b\n")
+    be lost without a word, so the run fails and says why (wherever the blocks cut)."""
+    monkeypatch.setattr(csv_connector, "COPY_BLOCK_BYTES", block)
+    (tmp_path / "in.csv").write_text(text)
     db.execute("CREATE TABLE t (id text, name text)")
     with pytest.raises(PermanentError, match=r"holding only \\\.") as err:
         run_transfer(
