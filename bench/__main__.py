@@ -21,7 +21,6 @@ ALL: list[str] = [
     "contention",
     "recovery",
     "copy_pg",
-    "movement",
     "slices",
     "pgbouncer",
     "soak",

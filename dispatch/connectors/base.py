@@ -122,6 +122,11 @@ class Writer(Protocol):
 # runner then skips the transfer and calls `commit()` at once.
 
 
+# A sink connector with `open_before_columns = True` may be opened (`open_writer`) with the
+# columns list still empty: the runner fills that same list once the source is open,
+# before the writer's first use, so both sides connect at the same time.
+
+
 class CopyReader(Protocol):
     columns: list[Column]
 
@@ -142,9 +147,17 @@ class CopyWriter(Protocol):
 
 
 def copy_format(reader: Any, writer: Any) -> str | None:
-    """The COPY format both sides agree on, or None (move decoded rows)."""
+    """The COPY format both sides agree on, or None (move decoded rows). A reader that
+    sends one fixed format (`copy_source`: a CSV file as it is) needs a writer that
+    `accept_copy`s it."""
     if not (hasattr(reader, "copy_chunks") and hasattr(writer, "write_copy")):
         return None
+    if hasattr(reader, "copy_source"):
+        source = reader.copy_source
+        accept = getattr(writer, "accept_copy", None)
+        if source is None or accept is None or not accept(*source):
+            return None
+        return str(source[0])
     fmt = writer.copy_format(reader.columns)
     return fmt if fmt in ("binary", "text", "csv") else None
 

@@ -25,11 +25,12 @@ import errno
 import io
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from datetime import date, datetime, time
 from pathlib import PurePosixPath
-from typing import IO, Any
+from typing import IO, Any, TextIO
 
 from django.core.exceptions import ValidationError
 
@@ -360,9 +361,21 @@ def _single_link(fd: int, name: str) -> None:
         )
 
 
+# The CSV pass-through reads the file in blocks of this size (see `_Reader.copy_chunks`).
+COPY_BLOCK_BYTES = 1 << 20
+_BOM = b"\xef\xbb\xbf"
+# A line holding only `\.` (unquoted): PostgreSQL's COPY FROM STDIN reads it as the end
+# of the data in CSV too (up to version 17), so a file with one is not passed through.
+_END_MARKER = re.compile(rb"\n\\\.(?:\r|\n)")
+
+
 class _Reader:
-    def __init__(self, handle: IO[str], spec: dict[str, Any]) -> None:
+    def __init__(self, handle: TextIO, spec: dict[str, Any]) -> None:
         self.spec = spec
+        self._handle = handle
+        # True once the file went to the sink as raw CSV: the rows are then the sink's
+        # count (a block's newlines are only an estimate: a quoted field may hold one).
+        self.rows_counted_by_sink = False
         self.null: str | None = spec.get("null", "")
         self.delimiter: str = spec.get("delimiter", ",")
         self._lines = _Lines(handle)
@@ -417,6 +430,50 @@ class _Reader:
             row = self._next()
         if batch:
             yield batch
+
+    @property
+    def copy_source(self) -> tuple[str, dict[str, Any]] | None:
+        """The one COPY format this reader sends, the file itself: CSV with the file's
+        delimiter, null marker and header (None: no columns, nothing to pass through)."""
+        if not self.columns:
+            return None
+        return "csv", {
+            "delimiter": self.delimiter,
+            "null": self.null,
+            "header": bool(self.spec.get("header", True)),
+        }
+
+    def copy_chunks(
+        self, fmt: str, options: dict[str, Any] | None = None
+    ) -> Iterator[tuple[bytes, int]]:
+        """The file's bytes in blocks, for a sink that parses the CSV itself (PostgreSQL's
+        `COPY ... (FORMAT csv)` with this file's options, `copy_source`): no row is
+        touched in Python. The byte-order mark is skipped; the header line goes along
+        and the sink skips it. Each block's rows are its newlines (an estimate)."""
+        if fmt != "csv":
+            raise PermanentError(f"a CSV source sends csv, not {fmt}")
+        self.rows_counted_by_sink = True
+        raw = self._handle.buffer
+        start = os.pread(raw.fileno(), len(_BOM), 0) == _BOM
+        raw.seek(len(_BOM) if start else 0)
+        tail = b"\n"  # the file's start counts as a line start
+        while True:
+            block = raw.read(COPY_BLOCK_BYTES)
+            if not block:
+                break
+            window = tail + block
+            if _END_MARKER.search(window):
+                self._end_marker()
+            tail = window[-3:]
+            yield block, block.count(b"\n")
+        if tail.endswith(b"\n\\."):  # the last line, without a newline after it
+            self._end_marker()
+
+    def _end_marker(self) -> None:
+        raise PermanentError(
+            f"{self.spec['path']!r} has a line holding only \\. (unquoted), which "
+            "PostgreSQL's COPY reads as the end of the data: quote it"
+        )
 
     def _nulls(self, row: list[str]) -> list[str | None]:
         """NULL for each unquoted field equal to the null marker; a quoted one is data."""

@@ -168,6 +168,61 @@ def _guc(kind: str, i: int) -> sql.Composable:
     return sql.Literal(f"dispatch.cursor_{kind}_{i}")
 
 
+# For the rest of the read's transaction: the planner serves the read's ORDER BY (and the
+# bound's ORDER BY ... DESC LIMIT 1) from a btree on the cursor columns, whatever its
+# statistics say of the increment's size. Left to itself, it plans a large increment as a
+# bitmap heap scan (or a sequential scan) followed by a sort of the whole increment:
+# nothing reaches the sink until every row is read and sorted, in memory or temporary
+# files that grow with the increment. Disabled only adds a large cost, so a source with
+# no such index is still read (and sorted).
+INDEX_ORDER_SQL = (
+    "SELECT pg_catalog.set_config('enable_sort', 'off', true),"
+    " pg_catalog.set_config('enable_bitmapscan', 'off', true)"
+)
+
+# The btree indexes of a table, by the table's oid: the attribute numbers of each index's
+# columns and their options (DESC, NULLS FIRST), with the table's qualified name and the
+# cursor's column names as the server quotes them (for the message).
+TABLE_INDEXES_SQL = (
+    "SELECT pg_catalog.quote_ident(n.nspname) OPERATOR(pg_catalog.||) '.'"
+    " OPERATOR(pg_catalog.||) pg_catalog.quote_ident(c.relname),"
+    " i.indkey::pg_catalog.text, i.indoption::pg_catalog.text,"
+    " (SELECT pg_catalog.string_agg(pg_catalog.quote_ident(x.name), ', ' ORDER BY x.n)"
+    "  FROM pg_catalog.unnest(%s::pg_catalog.text[]) WITH ORDINALITY AS x(name, n))"
+    " FROM pg_catalog.pg_class c"
+    " JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
+    " LEFT JOIN pg_catalog.pg_index i ON i.indrelid OPERATOR(pg_catalog.=) c.oid"
+    "  AND i.indisvalid AND i.indpred IS NULL"
+    "  AND EXISTS (SELECT 1 FROM pg_catalog.pg_class ic JOIN pg_catalog.pg_am am"
+    "   ON am.oid OPERATOR(pg_catalog.=) ic.relam"
+    "   WHERE ic.oid OPERATOR(pg_catalog.=) i.indexrelid"
+    "   AND am.amname OPERATOR(pg_catalog.=) 'btree')"
+    " WHERE c.oid OPERATOR(pg_catalog.=) %s::pg_catalog.oid"
+)
+
+
+def missing_index(
+    conn: psycopg.Connection[Any], table_oid: int, attnums: list[int], names: tuple[str, ...]
+) -> str | None:
+    """None when a btree index of the table `table_oid` starts with the cursor columns
+    (`attnums`, in the cursor's order, all ascending or all descending: a scan of it
+    either way yields the cursor's order); else the statement that creates one."""
+    rows = conn.execute(TABLE_INDEXES_SQL, [list(names), table_oid]).fetchall()
+    if not rows:
+        return None  # not a table (a view, a function): nothing to check
+    for _table, indkey, indoption, _columns in rows:
+        if indkey is None:
+            continue
+        keys = [int(k) for k in str(indkey).split()]
+        options = [int(o) for o in str(indoption).split()]
+        # Every column ascending with NULLS LAST (0), or every one DESC NULLS FIRST (3),
+        # which a backward scan reads as the former: the order of `ORDER BY cursor`.
+        directions = set(options[: len(attnums)])
+        if keys[: len(attnums)] == attnums and directions in ({0}, {3}):
+            return None
+    return f"CREATE INDEX ON {rows[0][0]} ({rows[0][3]})"
+
+
 class CursorReadPlan:
     """The SQL of an incremental read over `relation` (a SELECT), in the reader's one
     REPEATABLE READ transaction.
@@ -236,6 +291,7 @@ class CursorReadPlan:
                 f"incremental: the committed cursor has {len(start)} value(s) for "
                 f"{len(self.inc.cursor)} cursor column(s); reset the binding's cursor"
             )
+        conn.execute(INDEX_ORDER_SQL)
         names = self.inc.cursor
         where = [self._not_null()]
         if start is not None:

@@ -51,16 +51,23 @@ def set_safe_search_path(conn: psycopg.Connection[Any]) -> None:
     """Keep the session's schemas for table names, drop any explicit `pg_catalog` (so it is
     searched first, implicitly) and any `pg_temp`, and put `pg_temp` last. Only
     schema-qualified functions are called to read and set it, with no operator."""
-    row = conn.execute("SELECT pg_catalog.current_setting('search_path')").fetchone()
-    current = str(row[0]) if row else ""
+    row = conn.execute(CURRENT_SEARCH_PATH_SQL).fetchone()
+    conn.execute(SET_SEARCH_PATH_SQL, [safe_search_path(str(row[0]) if row else "")])
+    conn.commit()
+
+
+CURRENT_SEARCH_PATH_SQL = "SELECT pg_catalog.current_setting('search_path')"
+SET_SEARCH_PATH_SQL = "SELECT pg_catalog.set_config('search_path', %s, false)"
+
+
+def safe_search_path(current: str) -> str:
+    """The search_path `set_safe_search_path` sets, from the session's `current` one."""
     kept = [
         e
         for e in split_search_path(current)
         if e.lower() != "pg_catalog" and not e.lower().startswith("pg_temp")
     ]
-    path = ", ".join([*(_quote(e) for e in kept), "pg_temp"])
-    conn.execute("SELECT pg_catalog.set_config('search_path', %s, false)", [path])
-    conn.commit()
+    return ", ".join([*(_quote(e) for e in kept), "pg_temp"])
 
 
 # Function and operator lookup takes the closest signature from every schema on the path

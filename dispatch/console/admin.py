@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import (
@@ -220,6 +220,41 @@ def _incremental(binding: JobBinding) -> bool:
         return incremental.parse(binding.job.source_spec) is not None
     except ValidationError:  # an invalid stored spec: no cursor actions
         return False
+
+
+def cursor_index_notice(binding: JobBinding) -> str | None:
+    """After a binding is saved: for an incremental read of a PostgreSQL table, a warning
+    when the source table has no index on the cursor (with the statement that creates
+    one), or that the check could not be made (the source did not answer: the save stands,
+    and every run checks again). None when there is nothing to say."""
+    spec = binding.job.source_spec
+    if not _incremental(binding) or not isinstance(spec, dict) or not spec.get("table"):
+        return None
+    try:
+        connector = binding.source.connector()
+    except LookupError:
+        return None
+    check = getattr(connector, "cursor_index_needed", None)
+    if check is None:
+        return None
+    try:
+        config = binding.source.config
+    except crypto.SnapshotUnreadable:
+        return "The source's cursor index was not checked: its settings cannot be decrypted."
+    try:
+        needed = check(config, spec)
+    except ConnectorError as exc:
+        detail = scrub(str(exc), config, connector.secret_fields())
+        return (
+            f"The source's cursor index was not checked ({detail}); the binding is saved, "
+            "and each run checks it again."
+        )
+    if needed is None:
+        return None
+    return (
+        f"{spec['table']} has no index on the incremental cursor: each run sorts its whole "
+        f"increment before the first row moves. Create one on the source: {needed}"
+    )
 
 
 RESET_CURSOR = ActionSpec(
@@ -738,6 +773,13 @@ class JobAdmin(ManagedByFilesAdmin, querypermission.QueryPermissionAdmin, Consol
 class JobBindingAdmin(ManagedByFilesAdmin, querypermission.QueryPermissionAdmin, ConsoleAdmin):
     form_wrapper = staticmethod(querypermission.binding_form)
     guard = staticmethod(querypermission.guard_binding_save)
+
+    def save_model(self, request: HttpRequest, obj: JobBinding, form: Any, change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        # After the save: a source that does not answer never blocks it.
+        notice = cursor_index_notice(obj)
+        if notice is not None:
+            self.message_user(request, notice, level=messages.WARNING)
 
     list_display = [
         "name",

@@ -19,9 +19,12 @@ role, with which client-side files. Three rules bound that:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ipaddress
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 from django.conf import settings
@@ -155,9 +158,30 @@ SITE_FINGERPRINT_SQL = (
 )
 
 
+# The fingerprint read once for one execution (`site_fingerprint_pinned`), so that the
+# threads it starts with a copy of its context never open a site connection of their own.
+_PINNED: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "dispatch_site_fingerprint", default=None
+)
+
+
+@contextlib.contextmanager
+def site_fingerprint_pinned() -> Iterator[None]:
+    """`site_fingerprint()` read now (on this thread's site connection) and answered from
+    memory inside the block, in this context and in threads run with a copy of it."""
+    token = _PINNED.set(None if site_database_allowed() else site_fingerprint())
+    try:
+        yield
+    finally:
+        _PINNED.reset(token)
+
+
 def site_fingerprint() -> tuple[Any, ...]:
     """Identifies the site's own database: name, server start time, port and oid, as the
     server itself reports them (host names and proxies in between do not matter)."""
+    pinned = _PINNED.get()
+    if pinned is not None:
+        return pinned
     from django.db import connection
 
     with connection.cursor() as cursor:

@@ -8,12 +8,14 @@ settlement that matches no row means the attempt was lost and nothing is recorde
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
 import logging
+import queue
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from django.db import Error as DjangoDBError
@@ -32,7 +34,7 @@ from dispatch.connectors.base import (
     spec_errors,
 )
 from dispatch.db import DB_ERRORS, one_line, storable
-from dispatch.security import crypto
+from dispatch.security import crypto, targets
 from dispatch.states import Reason, Status
 from dispatch.worker import claims
 from dispatch.worker.claims import ClaimedAttempt
@@ -269,6 +271,146 @@ class Refill(Protocol):
         """Start executing what the settlement claimed."""
 
 
+# COPY blocks read ahead of the writer: at most this many wait in the queue, so a copy
+# holds at most QUEUE_BLOCKS + 2 blocks (one being read, one being written), about
+# (QUEUE_BLOCKS + 2) MiB with the PostgreSQL reader's blocks.
+QUEUE_BLOCKS = 4
+# How long the writer side waits for the reading thread to end after it stopped reading
+# before it interrupts the read (a source still computing its first row).
+PUMP_JOIN_SECONDS = 1.0
+
+
+class _Failed:
+    """What the reading thread hands over when the read raised."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_DONE = object()
+
+
+class CopyPump:
+    """Iterate `chunks` (a source's COPY blocks) on a thread of its own, handing the blocks
+    through a queue of QUEUE_BLOCKS: the source and the sink then work at the same time,
+    as the two processes of `psql | psql` do (each side waits in libpq or select with the
+    GIL released). An error of the read is raised here, in the consumer's thread; when the
+    consumer stops early (its own error, a stop), the reading thread is told to end, the
+    read is interrupted if it does not end within PUMP_JOIN_SECONDS (`interrupt`, e.g. a
+    cancel request to the source), and the thread is joined before the error goes on.
+    Memory stays bounded by the queue whatever the speed of either side."""
+
+    def __init__(
+        self,
+        chunks: Iterator[tuple[bytes, int]],
+        *,
+        interrupt: Callable[[], None] | None = None,
+        blocks: int = QUEUE_BLOCKS,
+    ) -> None:
+        self._chunks = chunks
+        self._interrupt = interrupt
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=blocks)
+        self._abort = threading.Event()
+        self.thread = threading.Thread(target=self._read, name="dispatch-copy-read", daemon=True)
+
+    def _put(self, item: Any) -> bool:
+        """Queue `item` unless the consumer has gone; False if it has."""
+        while not self._abort.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self) -> None:
+        chunks = self._chunks
+        try:
+            for item in chunks:
+                if not self._put(item):
+                    break
+            else:
+                self._put(_DONE)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            self._put(_Failed(exc))
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+
+    def __iter__(self) -> Iterator[tuple[bytes, int]]:
+        self.thread.start()
+        try:
+            while True:
+                item = self.queue.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, _Failed):
+                    raise item.exc
+                yield item
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        self._abort.set()
+        self.thread.join(PUMP_JOIN_SECONDS)
+        while self.thread.is_alive():
+            # Still in the read (waiting on its server): interrupt it, again each second
+            # (a connector escalates a cancel request that gets no answer to dropping the
+            # connection).
+            if self._interrupt is not None:
+                self._interrupt()
+            self.thread.join(PUMP_JOIN_SECONDS)
+
+
+def _open_both(
+    stack: contextlib.ExitStack,
+    source: Any,
+    sink: Any,
+    source_args: tuple[dict[str, Any], dict[str, Any]],
+    sink_args: tuple[dict[str, Any], dict[str, Any]],
+    ctx: Context,
+) -> tuple[Any, Any]:
+    """Open the reader, then the writer with the reader's columns (a sink may create its
+    table); both at once, the writer on a thread of its own, when the sink can be opened
+    before it knows the columns (`open_before_columns`): the two connections and their
+    set-up then overlap. Both end up on `stack`; an error of either is raised after both
+    are open or failed (the reader's first), and what did open is closed."""
+    if not getattr(sink, "open_before_columns", False):
+        reader = stack.enter_context(source.open_reader(*source_args, ctx))
+        writer = stack.enter_context(sink.open_writer(*sink_args, ctx, reader.columns))
+        return reader, writer
+    columns: list[Any] = []  # filled below, before the writer's first use
+    opened: dict[str, Any] = {}
+
+    def open_writer() -> None:
+        cm = sink.open_writer(*sink_args, ctx, columns)
+        try:
+            opened["writer"] = cm.__enter__()
+            opened["cm"] = cm
+        except BaseException as exc:  # noqa: BLE001 - raised on the runner's thread below
+            opened["error"] = exc
+
+    # The site database's fingerprint (the target policy's check of each connection) is
+    # read here once: the sink's thread must not open a site connection of its own.
+    with targets.site_fingerprint_pinned():
+        context = contextvars.copy_context()
+        thread = threading.Thread(
+            target=context.run, args=(open_writer,), name="dispatch-open-sink", daemon=True
+        )
+        thread.start()
+        try:
+            reader = stack.enter_context(source.open_reader(*source_args, ctx))
+        finally:
+            thread.join()
+            if "cm" in opened:
+                stack.push(opened["cm"])
+    if "error" in opened:
+        raise opened["error"]
+    columns.extend(reader.columns)
+    return reader, opened["writer"]
+
+
 class Runner:
     """Runs one attempt to its outcome. `on_fenced` counts stale commits a sink refused."""
 
@@ -469,11 +611,15 @@ class Runner:
             }
         ctx = Context(self.control)
         try:
-            # The writer is opened with the reader's columns (a sink may create its table).
-            with (
-                source.open_reader(source_config, source_spec, ctx) as reader,  # type: ignore[arg-type]
-                sink.open_writer(sink_config, sink_spec, ctx, reader.columns) as writer,  # type: ignore[arg-type]
-            ):
+            with contextlib.ExitStack() as stack:
+                reader, writer = _open_both(
+                    stack,
+                    source,
+                    sink,
+                    (source_config, source_spec),
+                    (sink_config, sink_spec),
+                    ctx,
+                )
                 self.cursor = incremental.prepare(reader, writer)
                 if self.cursor is not None:
                     self._record_cursor(self.cursor)
@@ -517,6 +663,10 @@ class Runner:
                 return self._stopped(exc)
             return self.settle("ERROR", Reason.ERROR, f"{type(exc).__name__}: {exc}")
         self.control.rows_written = max(self.control.rows_written, result.rows_written)
+        if getattr(reader, "rows_counted_by_sink", False):
+            # The source passed its bytes through uncounted (a CSV file): its rows are
+            # the ones the sink parsed.
+            self.control.rows_read = result.rows_written
         committed = getattr(writer, "cursor_committed", None)
         if committed is not None:
             self._copy_cursor(committed)
@@ -638,7 +788,7 @@ class Runner:
             chunks = (
                 reader.copy_chunks(fmt) if options is None else reader.copy_chunks(fmt, options)
             )
-            for data, rows in chunks:
+            for data, rows in CopyPump(chunks, interrupt=getattr(reader, "interrupt", None)):
                 ctx.progress(rows_read=rows)
                 ctx.progress(rows_written=writer.write_copy(data, rows))
             return

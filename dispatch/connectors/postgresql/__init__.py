@@ -67,6 +67,9 @@ class PostgreSQLConnector(Connector):
     # Its writer commits each slice of a sliced run on its own, fenced by the slice's run
     # (and stages `replace` until the last slice): docs/connectors.md, "Slices".
     sliced_writes = True
+    # The writer connects and raises its fence without the source's columns, and reads
+    # them at its first use: the runner opens it while the source is opened (base.py).
+    open_before_columns = True
     config_fields = (
         ConfigField("host", destination=True, help="Host name or address (or use url)."),
         ConfigField("port", kind=int, destination=True, help="Port, default 5432."),
@@ -124,6 +127,11 @@ class PostgreSQLConnector(Connector):
         SpecField("mode", f"{', '.join(SINK_MODES)} (default {SINK_MODES[0]})"),
         SpecField("key", "the key columns of upsert, a list"),
         SpecField("create", "true: create a missing table with the source's columns"),
+        SpecField(
+            "truncate",
+            "replace only, true: TRUNCATE instead of DELETE (faster; readers wait for the "
+            "whole load, and an older snapshot sees the table empty)",
+        ),
         SpecField(
             "statement_timeout_seconds",
             f"bound on each statement (default {DEFAULT_STATEMENT_TIMEOUT_SECONDS})",
@@ -227,6 +235,10 @@ class PostgreSQLConnector(Connector):
             raise ValidationError("key: only used with mode upsert")
         if not isinstance(spec.get("create", False), bool):
             raise ValidationError("create: must be true or false")
+        if not isinstance(spec.get("truncate", False), bool):
+            raise ValidationError("truncate: must be true or false")
+        if spec.get("truncate") and mode != "replace":
+            raise ValidationError("truncate: only used with mode replace")
         _timeouts(spec)
         return spec
 
@@ -238,6 +250,18 @@ class PostgreSQLConnector(Connector):
                 conn.execute("SELECT 1")
         finally:
             conn.close()
+
+    @classmethod
+    def cursor_index_needed(cls, config: dict[str, Any], spec: dict[str, Any]) -> str | None:
+        """For an incremental read of a table: the `CREATE INDEX` its cursor needs, or None
+        when the table has one (or the read is not of a table). Connects to the source
+        (a ConnectorError when it cannot)."""
+        reader = _Reader(config, spec, None)
+        try:
+            reader.open()
+            return reader.index_needed
+        finally:
+            reader.close()
 
     @classmethod
     @contextlib.contextmanager

@@ -104,6 +104,10 @@ class _Canceller:
         id is its own: then only an unanswered probe counts)."""
         self._pid = pid
 
+    def interrupt(self) -> None:
+        """Cancel what runs on the connection now (escalating as a stop does)."""
+        self._interrupt()
+
     def _interrupt(self) -> None:
         with self._lock:
             conn = self._conn

@@ -264,24 +264,87 @@ def connect(config: dict[str, Any], *, what: str = "connect") -> psycopg.Connect
     return conn
 
 
+class Session:
+    """A connection `open_session` set up: its server process id (None behind a pooler)
+    and its current schema."""
+
+    def __init__(self, conn: psycopg.Connection[Any], pid: int | None, schema: str) -> None:
+        self.conn = conn
+        self.pid = pid
+        self.schema = schema
+
+
+def open_session(config: dict[str, Any], spec: dict[str, Any], *, what: str) -> Session:
+    """`connect()` then `_set_timeouts()`, the same checks and settings in two round trips
+    after the connection's start-up: the session's search_path is read, then everything
+    else goes in one pipeline (the safe search_path, the timeouts and output formats, the
+    current schema, and the site fingerprint under `catalog_only`)."""
+    secrets = _secrets(config)
+    problems = policy_errors(config)
+    if problems:
+        raise PermanentError(f"{what}: refused by the site's target policy: {'; '.join(problems)}")
+    check_site = not targets.site_database_allowed()
+    with _errors(secrets, what):
+        conn = psycopg.connect(_conninfo(config), autocommit=True)
+    try:
+        with _errors(secrets, what), deadline.guarded(conn, what, CONNECT_TIMEOUT_SECONDS):
+            row = conn.execute(sqlsafety.CURRENT_SEARCH_PATH_SQL).fetchone()
+            path = sqlsafety.safe_search_path(str(row[0]) if row else "")
+            with conn.pipeline():
+                conn.execute(sqlsafety.SET_SEARCH_PATH_SQL, [path])
+                settings = conn.execute(_TIMEOUTS_SQL, _timeout_values(spec))
+                schema = conn.execute("SELECT pg_catalog.current_schema()")
+                site = None
+                if check_site:
+                    # The pipeline's statements run in one implicit transaction, which
+                    # commits at its end: catalog_only's transaction-local search_path
+                    # ends there, the session's settings above stay. (No BEGIN/ROLLBACK
+                    # here: they would take the statements before them along.)
+                    sqlsafety.catalog_only(conn)
+                    site = conn.execute(targets.SITE_FINGERPRINT_SQL)
+            pid_row, schema_row = settings.fetchone(), schema.fetchone()
+            site_row = site.fetchone() if site is not None else None
+            conn.autocommit = False
+    except BaseException:
+        conn.close()
+        raise
+    if site_row is not None and tuple(str(v) for v in site_row) == targets.site_fingerprint():
+        conn.close()
+        raise PermanentError(
+            f"{what}: refused by the site's target policy: {SITE_DATABASE_REFUSED}"
+        )
+    pid = int(pid_row[0]) if pid_row else None
+    return Session(
+        conn,
+        pid if pid == conn.info.backend_pid else None,
+        str(schema_row[0]) if schema_row and schema_row[0] else "public",
+    )
+
+
+_TIMEOUTS_SQL = (
+    "SELECT pg_catalog.pg_backend_pid(),"
+    " pg_catalog.set_config('statement_timeout', %s, false),"
+    " pg_catalog.set_config('lock_timeout', %s, false),"
+    " pg_catalog.set_config('idle_in_transaction_session_timeout', %s, false),"
+    # Fixed output formats: the text COPY data of one session is read by another.
+    " pg_catalog.set_config('DateStyle', 'ISO, MDY', false),"
+    " pg_catalog.set_config('IntervalStyle', 'postgres', false),"
+    " pg_catalog.set_config('extra_float_digits', '3', false),"
+    " pg_catalog.set_config('bytea_output', 'hex', false)"
+)
+
+
+def _timeout_values(spec: dict[str, Any]) -> list[str]:
+    statement = int(spec.get("statement_timeout_seconds", DEFAULT_STATEMENT_TIMEOUT_SECONDS))
+    lock = int(spec.get("lock_timeout_seconds", DEFAULT_LOCK_TIMEOUT_SECONDS))
+    return [f"{statement}s", f"{lock}s", f"{statement}s"]
+
+
 def _set_timeouts(conn: psycopg.Connection[Any], spec: dict[str, Any]) -> int | None:
     """Bound every statement and lock wait of this session, so a hung query cannot hold
     a lease (or a lock on someone else's table) forever. Returns the session's server
     process id, or None behind a pooler (whose process id is its own)."""
-    statement = int(spec.get("statement_timeout_seconds", DEFAULT_STATEMENT_TIMEOUT_SECONDS))
-    lock = int(spec.get("lock_timeout_seconds", DEFAULT_LOCK_TIMEOUT_SECONDS))
-    row = conn.execute(
-        "SELECT pg_catalog.pg_backend_pid(),"
-        " pg_catalog.set_config('statement_timeout', %s, false),"
-        " pg_catalog.set_config('lock_timeout', %s, false),"
-        " pg_catalog.set_config('idle_in_transaction_session_timeout', %s, false),"
-        # Fixed output formats: the text COPY data of one session is read by another.
-        " pg_catalog.set_config('DateStyle', 'ISO, MDY', false),"
-        " pg_catalog.set_config('IntervalStyle', 'postgres', false),"
-        " pg_catalog.set_config('extra_float_digits', '3', false),"
-        " pg_catalog.set_config('bytea_output', 'hex', false)",
-        [f"{statement}s", f"{lock}s", f"{statement}s"],
-    ).fetchone()
+    row = conn.execute(_TIMEOUTS_SQL, _timeout_values(spec)).fetchone()
     conn.commit()
     pid = int(row[0]) if row else None
     return pid if pid == conn.info.backend_pid else None

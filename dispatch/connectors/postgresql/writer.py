@@ -27,9 +27,8 @@ from dispatch.connectors.postgresql.cancel import _Canceller
 from dispatch.connectors.postgresql.connect import (
     _errors,
     _secrets,
-    _set_timeouts,
     _table_sql,
-    connect,
+    open_session,
     parse_table,
 )
 
@@ -67,11 +66,13 @@ class _Writer:
         self.schema = ""
         self.name = ""
         self.already_committed = False
+        self._prepared = False
         self.rows = 0
         self._copy: Any = None
         self._copy_cm: Any = None
         self._copy_cursor: Any = None
         self._copy_fmt: str | None = None
+        self._copy_options: dict[str, Any] = {}
         self._target_types: dict[str, str] = {}
         self._convert: list[Callable[[Any], Any] | None] = []
         # Incremental reads: the committed cursor this attempt read, and the one to commit.
@@ -87,17 +88,26 @@ class _Writer:
 
     # -- set-up --------------------------------------------------------------------------
     def open(self) -> None:
-        self.conn = connect(self.config, what="sink connect")
+        session = open_session(self.config, self.spec, what="sink connect")
+        self.conn = session.conn
         self._canceller.attach(self.conn)
+        self._canceller.watch(session.pid)
         with _errors(self.secrets, "sink", self._canceller):
-            self._canceller.watch(_set_timeouts(self.conn, self.spec))
             schema, self.name = parse_table(self.spec["table"])
-            current = self.conn.execute("SELECT pg_catalog.current_schema()").fetchone()
-            self.schema = schema or (current[0] if current else "public")
-            self.conn.commit()
+            self.schema = schema or session.schema
             self._raise_fence()
-            if self.already_committed:
-                return
+        # The data transaction begins at the writer's first use (`_ready`), not here: the
+        # runner may open this writer while the source is still being described, and
+        # the source's columns (which `_prepare` and `_prepare_slices` need) arrive only
+        # then.
+
+    def _ready(self) -> None:
+        """Begin the data transaction (`_prepare`) on the writer's first use; a slice's
+        short set-up transactions (`_prepare_slices`) come first."""
+        if self._prepared or self.already_committed:
+            return
+        self._prepared = True
+        with _errors(self.secrets, "sink", self._canceller):
             if self.slice_of is not None:
                 self._prepare_slices()
             self._prepare()
@@ -112,19 +122,20 @@ class _Writer:
         assert self.conn is not None
         fence = self.ctx.fence
         conn = self.conn
-        sqlsafety.create_once(
-            conn,
-            "dispatch_fence",
-            self.schema,
-            sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (run_id uuid PRIMARY KEY,"
-                " binding_id uuid, token bigint NOT NULL, attempt_id uuid,"
-                " committed_at timestamptz)"
-            ).format(self._fence_table),
-        )
-        # The committed cursors of incremental reads live beside the fence; made here, in
-        # a transaction of its own, so no data transaction ever holds its creation.
-        incremental.ensure_table(conn, self.schema)
+        if not self._fence_tables_exist():
+            sqlsafety.create_once(
+                conn,
+                "dispatch_fence",
+                self.schema,
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (run_id uuid PRIMARY KEY,"
+                    " binding_id uuid, token bigint NOT NULL, attempt_id uuid,"
+                    " committed_at timestamptz)"
+                ).format(self._fence_table),
+            )
+            # The committed cursors of incremental reads live beside the fence; made here,
+            # in a transaction of its own, so no data transaction ever holds its creation.
+            incremental.ensure_table(conn, self.schema)
         with conn.transaction():
             # ON CONFLICT DO UPDATE re-evaluates its WHERE on the newest committed version
             # of the row (after waiting for a concurrent commit that holds it), so a commit
@@ -155,11 +166,27 @@ class _Writer:
             f"{fence.token}"
         )
 
+    def _fence_tables_exist(self) -> bool:
+        """Whether `dispatch_fence` and `dispatch_cursor` are there (one catalog read, in
+        place of two creations that find them): a table dropped after this read makes
+        the fence's statements fail, and the attempt with them (transient)."""
+        assert self.conn is not None
+        row = self.conn.execute(
+            "SELECT pg_catalog.count(*) FROM pg_catalog.pg_class c"
+            " JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
+            " WHERE n.nspname OPERATOR(pg_catalog.=) %s"
+            " AND c.relname OPERATOR(pg_catalog.=) ANY (%s::pg_catalog.text[])",
+            [self.schema, ["dispatch_fence", "dispatch_cursor"]],
+        ).fetchone()
+        self.conn.commit()
+        return bool(row and row[0] == 2)
+
     # -- the committed cursor of an incremental read (dispatch/connectors/incremental.py) --
     def cursor_state(self, inc: incremental.IncrementalSpec) -> incremental.CommittedCursor:
         """The binding's committed cursor, as this sink holds it (the truth). Read inside
         the data transaction; `commit()` moves it with a compare-and-set on its version."""
         assert self.conn is not None
+        self._ready()
         if self.mode == "replace":
             raise PermanentError(
                 "incremental reads need an append or upsert sink: replace would keep only "
@@ -279,6 +306,14 @@ class _Writer:
         self._convert = [_json_text if target[n][0] in ("json", "jsonb") else None for n in names]
         if self.staged:
             pass  # the rows go to the staging table; the last slice replaces the target
+        elif self.mode == "replace" and self.spec.get("truncate"):
+            # Asked for (docs/connectors.md): ACCESS EXCLUSIVE until COMMIT, so every
+            # reader of the table waits for the whole load, and a REPEATABLE READ reader
+            # whose snapshot predates the commit sees the table empty afterwards. In
+            # exchange no old row is deleted one by one (nor left for vacuum), and the
+            # COPY into a table truncated in its own transaction writes no WAL when
+            # wal_level is minimal.
+            conn.execute(sql.SQL("TRUNCATE {}").format(table))
         elif self.mode == "replace":
             # SHARE ROW EXCLUSIVE: other writers wait until we commit (so the table ends
             # up holding exactly the source's rows), readers (ACCESS SHARE) never wait.
@@ -306,11 +341,44 @@ class _Writer:
         sink parses it, so compatible types such as integer -> bigint work)."""
         if self.already_committed:
             return None
+        self._ready()
         if all(c.type and self._target_types.get(c.name) == c.type for c in columns):
             self._copy_fmt = "binary"
         else:
             self._copy_fmt = "text"
         return self._copy_fmt
+
+    def accept_copy(self, fmt: str, options: dict[str, Any]) -> bool:
+        """Take a source's own COPY format as it is: CSV (a file) with its delimiter, null
+        marker (None: none, every field is a string) and header line; the server parses
+        it, in UTF-8."""
+        if self.already_committed or fmt != "csv":
+            return False
+        self._ready()
+        self._copy_fmt = "csv"
+        self._copy_options = dict(options)
+        return True
+
+    def _copy_sql_options(self, fmt: str) -> sql.Composable:
+        if fmt != "csv":
+            return sql.SQL("BINARY" if fmt == "binary" else "TEXT")
+        opts = self._copy_options
+        parts = [
+            sql.SQL("CSV, DELIMITER {}, HEADER {}, ENCODING 'UTF8'").format(
+                sql.Literal(opts.get("delimiter", ",")),
+                sql.SQL("true" if opts.get("header") else "false"),
+            )
+        ]
+        if opts.get("null") is None:
+            # No null marker: an unquoted empty field is an empty string, as on the rows path.
+            parts.append(
+                sql.SQL("FORCE_NOT_NULL ({})").format(
+                    sql.SQL(", ").join(sql.Identifier(c.name) for c in self.source_columns)
+                )
+            )
+        else:
+            parts.append(sql.SQL("NULL {}").format(sql.Literal(opts["null"])))
+        return sql.SQL(", ").join(parts)
 
     def _start_copy(self, fmt: str) -> Any:
         assert self.conn is not None
@@ -327,7 +395,7 @@ class _Writer:
         stmt = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {})").format(
             target,
             sql.SQL(", ").join(sql.Identifier(c.name) for c in self.source_columns),
-            sql.SQL("BINARY" if fmt == "binary" else "TEXT"),
+            self._copy_sql_options(fmt),
         )
         self._copy_cursor = self.conn.cursor()
         self._copy_cm = self._copy_cursor.copy(stmt)
@@ -338,6 +406,7 @@ class _Writer:
     def write_copy(self, data: bytes, rows: int) -> int:
         if self.already_committed:
             return 0
+        self._ready()
         with _errors(self.secrets, "sink write", self._canceller):
             self._start_copy(self._copy_fmt or "text")
             self._copy.write(data)
@@ -347,6 +416,7 @@ class _Writer:
     def write(self, batch: Batch) -> int:
         if self.already_committed:
             return 0
+        self._ready()
         with _errors(self.secrets, "sink write", self._canceller):
             # Text COPY: the server parses each value into the column's type, so rows from
             # any source (strings from a CSV, Python values from a generator) fit.
@@ -370,6 +440,7 @@ class _Writer:
     def commit(self) -> WriteResult:
         if self.already_committed:
             return WriteResult(rows_written=0, already_committed=True)
+        self._ready()
         assert self.conn is not None
         conn = self.conn
         fence = self.ctx.fence
