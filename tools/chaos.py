@@ -1252,6 +1252,7 @@ class Campaign:
                 ),
                 values=True,
                 history={INCREMENTAL_TABLE: "public.events_history"},
+                receipts=True,
             )
         )
         for item in report.incremental:
