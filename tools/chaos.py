@@ -451,7 +451,12 @@ class Campaign:
                     job(
                         TYPED,
                         {"table": "public.source"},
-                        {"table": "public.chaos_types", "mode": "replace", "create": True},
+                        {
+                            "table": "public.chaos_types",
+                            "mode": "replace",
+                            "create": True,
+                            "receipt": True,
+                        },
                     ),
                     sink,
                     concurrency=1,

@@ -82,7 +82,13 @@ def test_digest__the_worker_and_sql_agree_on_every_type(src: ScratchDB, dst: Scr
     columns = _typed_source(src, dst)
     ctx = Ctx()
     run_transfer(
-        PG, src.config, {"table": "source"}, PG, dst.config, {"table": "copy", "create": True}, ctx
+        PG,
+        src.config,
+        {"table": "source"},
+        PG,
+        dst.config,
+        {"table": "copy", "create": True, "receipt": True},
+        ctx,
     )
     ((run_id, attempt_id, mode, rows, digest),) = _receipts(dst)
     assert (run_id, attempt_id, mode) == (ctx.fence.run_id, ctx.fence.attempt_id, "append")
@@ -111,7 +117,7 @@ def test_digest__order_independent_and_combines() -> None:
     assert changed.hex() != a.hex()
 
 
-def test_receipt__off_keeps_the_count_and_lets_binary_through(
+def test_receipt__by_default_keeps_the_count_and_lets_binary_through(
     src: ScratchDB, dst: ScratchDB
 ) -> None:
     _typed_source(src, dst)
@@ -121,7 +127,7 @@ def test_receipt__off_keeps_the_count_and_lets_binary_through(
         {"table": "source"},
         PG,
         dst.config,
-        {"table": "copy", "create": True, "receipt": False},
+        {"table": "copy", "create": True},
     )
     assert [(r[3], r[4]) for r in _receipts(dst)] == [(500, None)]
 
@@ -172,7 +178,9 @@ def test_receipts__replace_verified_then_a_row_changed_in_the_sink_is_caught(
     src: ScratchDB, dst: ScratchDB, admin_client: Client
 ) -> None:
     _typed_source(src, dst)
-    binding = _binding(src, dst, {"table": "public.copy", "mode": "replace", "create": True})
+    binding = _binding(
+        src, dst, {"table": "public.copy", "mode": "replace", "create": True, "receipt": True}
+    )
     first, second = _run(binding), _run(binding)
     attempt = _attempt(second)
     (sink_rows, sink_digest) = dst.execute(
@@ -212,7 +220,15 @@ def test_receipts__replace_verified_then_a_row_changed_in_the_sink_is_caught(
 def test_receipts__append_verified_by_the_attempt_column(src: ScratchDB, dst: ScratchDB) -> None:
     _typed_source(src, dst)
     binding = _binding(
-        src, dst, {"table": "public.copy", "mode": "append", "create": True, "attempt_column": True}
+        src,
+        dst,
+        {
+            "table": "public.copy",
+            "mode": "append",
+            "create": True,
+            "attempt_column": True,
+            "receipt": True,
+        },
     )
     first, second = _run(binding), _run(binding)
     held = dst.execute(
@@ -249,7 +265,11 @@ def test_receipts__append_without_the_column_is_unverifiable_not_a_match(
 
 def test_command__receipts_flag(src: ScratchDB, dst: ScratchDB, tmp_path: Path) -> None:
     _typed_source(src, dst)
-    run = _run(_binding(src, dst, {"table": "public.copy", "mode": "replace", "create": True}))
+    run = _run(
+        _binding(
+            src, dst, {"table": "public.copy", "mode": "replace", "create": True, "receipt": True}
+        )
+    )
     ids = tmp_path / "ids"
     ids.write_text(f"{run.id}\n")
     out = io.StringIO()

@@ -134,9 +134,10 @@ class PostgreSQLConnector(Connector):
         ),
         SpecField(
             "receipt",
-            "true (default): the delivery's receipt carries a digest of its rows, hashed as "
-            "they stream in text COPY; false: the receipt holds the row count only, and a "
-            "PostgreSQL source may send binary COPY",
+            "true: the delivery's receipt also carries a digest of its rows, hashed as "
+            "they stream in text COPY (costs about a fifth of the copy's speed); false "
+            "(default): the receipt holds the row count only, and a PostgreSQL source may "
+            "send binary COPY",
         ),
         SpecField(
             "attempt_column",

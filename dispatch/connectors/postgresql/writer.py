@@ -391,7 +391,7 @@ class _Writer:
         if self.already_committed:
             return None
         self._ready()
-        if self.spec.get("receipt", True):
+        if self.spec.get("receipt", False):
             self._copy_fmt = "text"
             self.digest = receipt.Digest()
         elif all(c.type and self._target_types.get(c.name) == c.type for c in columns):
