@@ -451,7 +451,12 @@ class Campaign:
                     job(
                         TYPED,
                         {"table": "public.source"},
-                        {"table": "public.chaos_types", "mode": "replace", "create": True},
+                        {
+                            "table": "public.chaos_types",
+                            "mode": "replace",
+                            "create": True,
+                            "receipt": True,
+                        },
                     ),
                     sink,
                     concurrency=1,
@@ -1252,6 +1257,7 @@ class Campaign:
                 ),
                 values=True,
                 history={INCREMENTAL_TABLE: "public.events_history"},
+                receipts=True,
             )
         )
         for item in report.incremental:

@@ -920,6 +920,18 @@ class AttemptInline(admin.TabularInline):  # type: ignore[type-arg]
         )
 
 
+def receipt_text(attempt: Attempt | None) -> str:
+    """An attempt's receipt (rows and digest its sink committed) and its last
+    verification on the sink, in one line; a dash when it has none."""
+    if attempt is None or attempt.receipt_rows is None:
+        return "—"
+    text = f"{attempt.receipt_rows:,} rows, digest {attempt.receipt_digest or 'not computed'}"
+    if attempt.receipt_verified_at is None:
+        return text + "; not verified yet"
+    when = date_format(localtime(attempt.receipt_verified_at), "DATETIME_FORMAT")
+    return f"{text}; verified {when}: {attempt.receipt_verification}"
+
+
 def _latest_attempt(field: str) -> Subquery:
     return Subquery(
         Attempt.objects.filter(run=OuterRef("pk")).order_by("-number").values(field)[:1]
@@ -974,6 +986,7 @@ class RunAdmin(HistoryAdmin):
                     "finished_at",
                     "duration",
                     "cancel_requested_at",
+                    "receipt",
                 ]
             },
         ),
@@ -1108,6 +1121,16 @@ class RunAdmin(HistoryAdmin):
         )
 
     @admin.display(description="duration")  # not sortable: a computed value sorts every row
+    @admin.display(description="receipt")
+    def receipt(self, obj: Run) -> str:
+        """The receipt of the run's delivery (its attempt that committed one)."""
+        return receipt_text(
+            Attempt.objects.filter(run=obj, receipt_rows__isnull=False)
+            .only("receipt_rows", "receipt_digest", "receipt_verified_at", "receipt_verification")
+            .order_by("-number")
+            .first()
+        )
+
     def duration(self, obj: Run) -> str:
         elapsed = getattr(obj, "elapsed", None)
         return duration_text(elapsed.total_seconds() if elapsed is not None else None)
@@ -1211,6 +1234,7 @@ class AttemptAdmin(HistoryAdmin):
                     "error",
                     "blocked",
                     "progress_detail",
+                    "receipt",
                 ]
             },
         ),
@@ -1284,6 +1308,10 @@ class AttemptAdmin(HistoryAdmin):
     @admin.display(description="progress")
     def progress_detail(self, obj: Attempt) -> SafeString:
         return progress_bar(Progress.of(obj), detail=True)
+
+    @admin.display(description="receipt")
+    def receipt(self, obj: Attempt) -> str:
+        return receipt_text(obj)
 
     @admin.display(description="run")
     def run_link(self, obj: Attempt) -> SafeString:

@@ -660,6 +660,14 @@ class Attempt(models.Model):
     # source) and the one it commits with its rows (the highest in its snapshot).
     cursor_from = models.JSONField(null=True, blank=True, editable=False)
     cursor_to = models.JSONField(null=True, blank=True, editable=False)
+    # The receipt of a delivery its sink committed (docs/connectors.md, "Receipts"): the
+    # rows and their digest (16 hex digits; NULL when the rows did not stream as text),
+    # recorded by the worker after the sink's commit; and the last verification of it on
+    # the sink (`check_invariants --receipts`): when, and what it found.
+    receipt_rows = models.BigIntegerField(null=True, blank=True, editable=False)
+    receipt_digest = models.CharField(max_length=16, null=True, blank=True, editable=False)
+    receipt_verified_at = models.DateTimeField(null=True, blank=True, editable=False)
+    receipt_verification = models.TextField(null=True, blank=True, editable=False)
 
     objects = AttemptQuerySet.as_manager()
 

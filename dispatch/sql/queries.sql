@@ -113,6 +113,14 @@ UPDATE dispatch_attempt
    SET cursor_from = %(cursor_from)s::jsonb, cursor_to = %(cursor_to)s::jsonb
  WHERE id = %(attempt)s AND lease_token = %(token)s AND status = 'RUNNING';
 
+-- name: record_receipt
+-- The receipt a sink committed with an attempt's rows (its rows and digest), recorded
+-- after that commit and before the settlement. Guarded by status and token, like a
+-- settlement; the sink's own receipt row is the truth, this the console's copy.
+UPDATE dispatch_attempt
+   SET receipt_rows = %(rows)s, receipt_digest = %(digest)s
+ WHERE id = %(attempt)s AND lease_token = %(token)s AND status = 'RUNNING';
+
 -- name: record_estimates
 -- The rows each of a worker's attempts expects to read (its source's estimate: progress
 -- only, nothing decides on it), written once per attempt by the heartbeat thread after a

@@ -25,6 +25,7 @@ from dispatch.connectors import postgresql
 from dispatch.models.ops import HealthState
 from dispatch.states import TERMINAL_RUN_STATUSES, BlockedReason, Origin, Reason, Status
 from dispatch.verify import incremental as invariants_incremental
+from dispatch.verify import receipts as invariants_receipts
 from dispatch.verify import sinks as sink_access
 from dispatch.verify.incremental import IncrementalSink
 from dispatch.verify.state import (
@@ -1005,12 +1006,15 @@ def check(
     installed_apps: bool = True,
     values: bool = False,
     history: Mapping[str, str] | None = None,
+    receipts: bool = False,
 ) -> Report:
     """Run every check over the scope, then the installed apps' own (`app_checks`, unless
     `installed_apps` is false); the report lists violations and counts. With `values`,
     sinks fed by a PostgreSQL table are compared with it value by value (the source tables
     must not change meanwhile). `history` maps an incremental binding's source table to
-    the relation holding its every version (dispatch.verify.incremental)."""
+    the relation holding its every version (dispatch.verify.incremental). With `receipts`,
+    every delivery's receipt is recomputed on its sink (dispatch.verify.receipts) and the
+    result recorded on its attempt."""
     state = load(scope)
     report = Report()
     for check_fn in RUN_CHECKS:
@@ -1024,6 +1028,14 @@ def check(
     report.violations.extend(check_incremental(incremental))
     report.notes.extend(n for item in incremental for n in item.notes)
     report.incremental = incremental
+    if receipts and sinks:
+        verified = invariants_receipts.verify(state)
+        report.violations.extend(verified.violations)
+        report.counts.update(
+            receipts_verified=verified.verified,
+            receipts_unverifiable=verified.unverifiable,
+            receipts_superseded=verified.superseded,
+        )
     for app_check in app_checks() if installed_apps else []:
         findings = app_check(state)
         report.violations.extend(findings.violations)

@@ -190,6 +190,18 @@ def record_cursor(
 
 
 @_bounded
+def record_receipt(attempt_id: uuid.UUID, token: int, rows: int, digest: str | None) -> bool:
+    """Store the receipt the sink committed on the attempt's row (status + token
+    guarded). False: the attempt is no longer ours."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            query("record_receipt"),
+            {"attempt": attempt_id, "token": token, "rows": rows, "digest": digest},
+        )
+        return cursor.rowcount == 1
+
+
+@_bounded
 def _outcome(
     attempt_id: uuid.UUID,
     token: int,

@@ -670,6 +670,9 @@ class Runner:
         committed = getattr(writer, "cursor_committed", None)
         if committed is not None:
             self._copy_cursor(committed)
+        receipt = getattr(writer, "receipt_committed", None)
+        if receipt is not None:
+            self._record_receipt(*receipt)
         return self.settle(
             "SUCCEEDED", Reason.ALREADY_COMMITTED if result.already_committed else None
         )
@@ -765,6 +768,16 @@ class Runner:
                 self._copy_cursor(prepared.committed)
         except DB_ERRORS as exc:
             self._log("cursor not recorded: %s", type(exc).__name__, level=logging.WARNING)
+
+    def _record_receipt(self, rows: int, digest: str | None) -> None:
+        """The sink's receipt on the attempt's row, for the console. The sink's own
+        receipt is what verification reads, so a failure here is logged and the
+        settlement goes on."""
+        c = self.claimed
+        try:
+            claims.record_receipt(c.attempt_id, c.lease_token, rows, digest)
+        except DB_ERRORS as exc:
+            self._log("receipt not recorded: %s", type(exc).__name__, level=logging.WARNING)
 
     def _copy_cursor(self, committed: incremental.CommittedCursor) -> None:
         try:

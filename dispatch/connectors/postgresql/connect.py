@@ -330,7 +330,8 @@ _TIMEOUTS_SQL = (
     " pg_catalog.set_config('DateStyle', 'ISO, MDY', false),"
     " pg_catalog.set_config('IntervalStyle', 'postgres', false),"
     " pg_catalog.set_config('extra_float_digits', '3', false),"
-    " pg_catalog.set_config('bytea_output', 'hex', false)"
+    " pg_catalog.set_config('bytea_output', 'hex', false),"
+    " pg_catalog.set_config('TimeZone', 'UTC', false)"
 )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from dispatch.connectors import incremental, sqlsafety
+from dispatch.connectors import incremental, receipt, sqlsafety
 from dispatch.connectors.base import (
     SLICE_OF,
     Batch,
@@ -36,6 +36,14 @@ SINK_MODES = ("append", "replace", "upsert")
 # The sink-side record of the slices of a sliced `replace` that have committed their rows
 # to its staging table, beside dispatch_fence.
 SLICE_COMMIT_TABLE = "dispatch_slice_commit"
+# The receipt of every delivery, beside dispatch_fence: written in the data transaction,
+# so it commits with the rows or not at all (docs/connectors.md, "Receipts").
+RECEIPT_TABLE = "dispatch_receipt"
+# The column a binding may turn on (`attempt_column: true`) that names the attempt which
+# wrote each row: its default reads the data transaction's setting, so COPY fills it at
+# no cost per row, and rows written by anything else hold NULL.
+ATTEMPT_COLUMN = "_dispatch_attempt"
+ATTEMPT_SETTING = "dispatch.attempt_id"
 
 
 def staging_name(parent: str) -> str:
@@ -85,6 +93,11 @@ class _Writer:
         self.staged = self.slice_of is not None and self.mode == "replace"
         # After commit(): whether this slice's commit swapped the staged rows in.
         self.swapped = False
+        # The receipt: the digest of the rows as they stream (text COPY only; None when
+        # the rows arrive another way), and after commit() what was committed.
+        self.digest: receipt.Digest | None = None
+        self.receipt_committed: tuple[int, str | None] | None = None
+        self.attempt_column = bool(spec.get("attempt_column"))
 
     # -- set-up --------------------------------------------------------------------------
     def open(self) -> None:
@@ -136,6 +149,18 @@ class _Writer:
             # The committed cursors of incremental reads live beside the fence; made here,
             # in a transaction of its own, so no data transaction ever holds its creation.
             incremental.ensure_table(conn, self.schema)
+            sqlsafety.create_once(
+                conn,
+                RECEIPT_TABLE,
+                self.schema,
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (run_id uuid PRIMARY KEY,"
+                    " binding_id uuid NOT NULL, attempt_id uuid NOT NULL, parent_id uuid,"
+                    " table_name text NOT NULL, mode text NOT NULL,"
+                    " columns text[] NOT NULL, attempt_column boolean NOT NULL,"
+                    " rows bigint NOT NULL, digest text, committed_at timestamptz NOT NULL)"
+                ).format(_table_sql(self.schema, RECEIPT_TABLE)),
+            )
         with conn.transaction():
             # ON CONFLICT DO UPDATE re-evaluates its WHERE on the newest committed version
             # of the row (after waiting for a concurrent commit that holds it), so a commit
@@ -176,10 +201,10 @@ class _Writer:
             " JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
             " WHERE n.nspname OPERATOR(pg_catalog.=) %s"
             " AND c.relname OPERATOR(pg_catalog.=) ANY (%s::pg_catalog.text[])",
-            [self.schema, ["dispatch_fence", "dispatch_cursor"]],
+            [self.schema, ["dispatch_fence", "dispatch_cursor", RECEIPT_TABLE]],
         ).fetchone()
         self.conn.commit()
-        return bool(row and row[0] == 2)
+        return bool(row and row[0] == 3)
 
     # -- the committed cursor of an incremental read (dispatch/connectors/incremental.py) --
     def cursor_state(self, inc: incremental.IncrementalSpec) -> incremental.CommittedCursor:
@@ -291,6 +316,8 @@ class _Writer:
                     pass
                 target = self._target_columns()
             assert target is not None
+        if self.attempt_column:
+            self._ensure_attempt_column(table, target)
         missing = [n for n in names if n not in target]
         if missing:
             raise PermanentError(
@@ -334,15 +361,40 @@ class _Writer:
                 )
             )
 
+    def _ensure_attempt_column(self, table: sql.Composed, target: dict[str, Any]) -> None:
+        """`attempt_column: true`: the sink's `_dispatch_attempt` column (made if missing,
+        in the data transaction), filled by its default from this transaction's setting."""
+        assert self.conn is not None
+        if ATTEMPT_COLUMN not in target:
+            self.conn.execute(
+                sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} uuid DEFAULT {}").format(
+                    table,
+                    sql.Identifier(ATTEMPT_COLUMN),
+                    sql.SQL("NULLIF(pg_catalog.current_setting({}, true), '')::uuid").format(
+                        sql.Literal(ATTEMPT_SETTING)
+                    ),
+                )
+            )
+        # Parameters, not text: a transaction-local setting the column's default reads.
+        self.conn.execute(
+            "SELECT pg_catalog.set_config(%s, %s, true)",
+            [ATTEMPT_SETTING, str(self.ctx.fence.attempt_id)],
+        )
+
     # -- copy ----------------------------------------------------------------------------
     def copy_format(self, columns: list[Column]) -> str | None:
-        """The COPY format a PostgreSQL source should send: binary when every column has
-        the same exact type on both sides (binary data is type-specific), else text (the
-        sink parses it, so compatible types such as integer -> bigint work)."""
+        """The COPY format a PostgreSQL source should send: text when the receipt's digest
+        is computed (its rows are hashed in their text form as they pass); otherwise
+        binary when every column has the same exact type on both sides (binary data is
+        type-specific), else text (the sink parses it, so compatible types such as
+        integer -> bigint work)."""
         if self.already_committed:
             return None
         self._ready()
-        if all(c.type and self._target_types.get(c.name) == c.type for c in columns):
+        if self.spec.get("receipt", False):
+            self._copy_fmt = "text"
+            self.digest = receipt.Digest()
+        elif all(c.type and self._target_types.get(c.name) == c.type for c in columns):
             self._copy_fmt = "binary"
         else:
             self._copy_fmt = "text"
@@ -410,6 +462,8 @@ class _Writer:
         with _errors(self.secrets, "sink write", self._canceller):
             self._start_copy(self._copy_fmt or "text")
             self._copy.write(data)
+        if self.digest is not None and self._copy_fmt == "text":
+            self.digest.add_text_block(data)
         self.rows += rows
         return rows
 
@@ -467,6 +521,7 @@ class _Writer:
                     raise
             if self.staged:
                 self._commit_slice()
+            self._commit_receipt()
             # The fence, last: row-locked only from here to COMMIT (milliseconds). A newer
             # attempt that raised the token, or a commit that beat us, leaves no row.
             updated = conn.execute(
@@ -496,6 +551,46 @@ class _Writer:
         if self.swapped:
             self._drop_staging()
         return WriteResult(rows_written=self.rows)
+
+    def _commit_receipt(self) -> None:
+        """The delivery's receipt, in the data transaction before the fence: the rows
+        committed and, when they streamed as text, their digest (dispatch/connectors/
+        receipt.py). The digest's rows must be the server's: a difference is a fault of
+        the copy, and fails it rather than commit a receipt that is wrong."""
+        assert self.conn is not None
+        fence = self.ctx.fence
+        digest = None
+        if self.digest is not None and self._copy_fmt == "text":
+            if self.digest.rows != self.rows:
+                self.conn.rollback()
+                raise TransientError(
+                    f"the receipt counted {self.digest.rows} rows, the sink {self.rows}"
+                )
+            digest = self.digest.hex()
+        self.conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (run_id, binding_id, attempt_id, parent_id, table_name, mode,"
+                " columns, attempt_column, rows, digest, committed_at)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, pg_catalog.now())"
+                " ON CONFLICT (run_id) DO UPDATE SET attempt_id = EXCLUDED.attempt_id,"
+                " rows = EXCLUDED.rows, digest = EXCLUDED.digest, columns = EXCLUDED.columns,"
+                " attempt_column = EXCLUDED.attempt_column,"
+                " committed_at = EXCLUDED.committed_at"
+            ).format(_table_sql(self.schema, RECEIPT_TABLE)),
+            [
+                fence.run_id,
+                fence.binding_id,
+                fence.attempt_id,
+                self.slice_of["parent"] if self.slice_of is not None else None,
+                f"{self.schema}.{self.name}",
+                self.mode,
+                [c.name for c in self.source_columns],
+                self.attempt_column,
+                self.rows,
+                digest,
+            ],
+        )
+        self.receipt_committed = (self.rows, digest)
 
     # -- slices ------------------------------------------------------------------------------
     def _prepare_slices(self) -> None:

@@ -27,6 +27,12 @@ class Command(BaseCommand):
         )
         parser.add_argument("--no-sinks", action="store_true", help="skip the sink databases")
         parser.add_argument(
+            "--receipts",
+            action="store_true",
+            help="recompute every delivery's receipt on its sink and record the result on "
+            "its attempt",
+        )
+        parser.add_argument(
             "--history",
             action="append",
             default=[],
@@ -58,7 +64,11 @@ class Command(BaseCommand):
             if not sep or not source.strip() or not relation.strip():
                 raise CommandError(f"--history {item!r}: expected SOURCE=HISTORY, two table names")
             history[source.strip()] = relation.strip()
-        report = invariants.check(scope, sinks=not options["no_sinks"], history=history)
+        if options["receipts"] and options["no_sinks"]:
+            raise CommandError("--receipts reads the sinks: it cannot go with --no-sinks")
+        report = invariants.check(
+            scope, sinks=not options["no_sinks"], history=history, receipts=options["receipts"]
+        )
         self.stdout.write(report.render())
         if not report.ok:
             sys.exit(1)
