@@ -476,3 +476,15 @@ def test_check__entries_refused_themselves_allow_nothing(tmp_path: Path) -> None
         # A listed system directory opens nothing under it either.
         with pytest.raises(ValidationError, match="directory of their own"):
             PQ.validate_config({"base_dir": "/usr/local/bin"})
+
+
+def test_writer__a_value_that_does_not_fit_names_its_column(tmp_path: Path) -> None:
+    spec = {"path": "d"}
+    cols = [Column("n", "numeric(5,2)"), Column("grid", "integer[]")]
+    for row, column in (((Decimal("NaN"), None), "'n'"), ((None, [[1, 2], [3, 4]]), "'grid'")):
+        refused = pytest.raises(PermanentError, match=f"column {column}")
+        with PQ.open_writer(_cfg(tmp_path), spec, Ctx(), cols) as w, refused:
+            w.write([row])
+    # Nothing was published, and no temporary file is left.
+    assert not (tmp_path / "d" / "_dispatch" / "manifest-0000000001.json").exists()
+    assert os.listdir(tmp_path / "d" / "_dispatch" / "tmp") == []
