@@ -36,6 +36,8 @@ CHECK_IDS: dict[str, str] = {
     "dispatch.E018": "DISPATCH_APPLY_ENV_PREFIX or DISPATCH_APPLY_SECRET_DIRS cannot be used",
     "dispatch.E019": "DISPATCH_API_MAX_BODY_BYTES or DISPATCH_API_TOKEN_MAX_DAYS is not a whole "
     "number within its bounds",
+    "dispatch.E020": "a DISPATCH_PARQUET_BASE_DIRS entry is refused itself (not absolute, or a "
+    "system, Python, PATH or home directory, in one or containing one)",
     "dispatch.W001": "DISPATCH_HEALTH_SCAN_LAG is shorter than DISPATCH_COORDINATION_TIMEOUT",
     "dispatch.W002": "stored alert addresses of bindings are outside DISPATCH_ALERT_EMAIL_DOMAINS",
     "dispatch.W003": "another app's command of the same name wins over runworker, trigger, ...",
@@ -345,6 +347,32 @@ def check_csv_base_dirs(app_configs: Any = None, **kwargs: Any) -> list[Error]:
                     "home directory of the user the site and its workers run as (e.g. "
                     '/srv/dispatch/csv); see docs/security.md, "CSV files".',
                     id="dispatch.E016",
+                )
+            )
+    return errors
+
+
+@register()
+def check_parquet_base_dirs(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """dispatch.E020: a DISPATCH_PARQUET_BASE_DIRS entry the parquet connector refuses
+    anyway (the rules of dispatch.E016)."""
+    from dispatch.connectors import csv
+    from dispatch.security import paths
+
+    places = paths.protected()
+    errors = []
+    for root in conf.parquet_base_dirs():
+        problem = csv.root_problem(root, places)
+        if problem:
+            errors.append(
+                Error(
+                    f"DISPATCH_PARQUET_BASE_DIRS entry {root!r} {problem}: it allows no "
+                    "Parquet datasource.",
+                    hint="List absolute directories that hold only data files, outside the "
+                    "system's trees, the Python installation and the project, PATH and the "
+                    "home directory of the user the site and its workers run as (e.g. "
+                    '/srv/dispatch/parquet); see docs/security.md, "CSV files".',
+                    id="dispatch.E020",
                 )
             )
     return errors

@@ -86,6 +86,15 @@ def csv_base_dirs() -> list[str]:
     return [d.strip() for d in dirs if d.strip()]
 
 
+def parquet_base_dirs() -> list[str]:
+    """Directories a parquet datasource's base_dir must lie in; empty (the default):
+    Parquet datasources are disabled (docs/security.md, "CSV and Parquet files")."""
+    dirs = getattr(settings, "DISPATCH_PARQUET_BASE_DIRS", [])
+    if isinstance(dirs, str):
+        dirs = dirs.split(",")
+    return [d.strip() for d in dirs if d.strip()]
+
+
 def apply_env_prefix() -> str:
     """The prefix every `env:` secret reference of definition files must start with
     (dispatch.ascode): an apply reads no other environment variable."""

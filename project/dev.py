@@ -18,6 +18,7 @@ are the files of project/demo/, applied with `manage.py dispatch apply`.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import secrets
 import signal
@@ -106,6 +107,30 @@ def csv_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, name: str(private_temp_dir("csv"))}
 
 
+def parquet_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` with DISPATCH_PARQUET_BASE_DIRS allowing the demo's Parquet directory, unless
+    the environment or .env sets it already."""
+    name = "DISPATCH_PARQUET_BASE_DIRS"
+    if name in env or env_file_value(name) is not None:
+        return env
+    return {**env, name: str(private_temp_dir("parquet"))}
+
+
+def demo_parquet_dir(env: Mapping[str, str]) -> Path | None:
+    """The Parquet demo's directory, or None when DISPATCH_PARQUET_BASE_DIRS (the
+    environment's, else .env's) does not allow it, or pyarrow (the `parquet` extra) is not
+    installed."""
+    if importlib.util.find_spec("pyarrow") is None:
+        return None
+    path = private_temp_dir("parquet") / "demo"
+    name = "DISPATCH_PARQUET_BASE_DIRS"
+    allowed = env.get(name) or env_file_value(name) or ""
+    for root in (r.strip() for r in allowed.split(",")):
+        if root and Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root)):
+            return path
+    return None
+
+
 def demo_csv_dir(env: Mapping[str, str]) -> Path | None:
     """The CSV demo's directory, or None when DISPATCH_CSV_BASE_DIRS (the environment's,
     else .env's) does not allow it: set by hand to other directories, the demo writes no
@@ -131,6 +156,7 @@ def seed_demo(
     *,
     password_file: Path,
     csv_dir: Path | None,
+    parquet_dir: Path | None = None,
     databases: tuple[str, str] = DEMO_DATABASES,
 ) -> None:
     """The demo: its definitions (project/demo/), applied with `dispatch apply`, then its
@@ -157,6 +183,11 @@ def seed_demo(
         files.append(DEMO_DIR / "csv.yaml")
         refs["DISPATCH_SECRET_DEMO_CSV_DIR"] = str(csv_dir)
         csv_args = ["--csv-dir", str(csv_dir)]
+    if parquet_dir is not None:
+        # The apply checks that base_dir exists; the run makes the dataset in it.
+        parquet_dir.mkdir(parents=True, exist_ok=True)
+        files.append(DEMO_DIR / "parquet.yaml")
+        refs["DISPATCH_SECRET_DEMO_PARQUET_DIR"] = str(parquet_dir)
     manage("dispatch", "apply", *[str(f.relative_to(ROOT)) for f in files], env={**env, **refs})
     manage(
         "seed_demo",
@@ -204,11 +235,18 @@ def cmd_run() -> int:
     port = site_port()
     ensure_env_file()
     url, embedded = database_url()
-    env = csv_env({**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "project.settings"})
+    env = parquet_env(
+        csv_env({**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "project.settings"})
+    )
     procs: list[subprocess.Popen[bytes]] = []
     try:
         manage("migrate", "--no-input", "-v", "0", env=env)
-        seed_demo(env, password_file=demo_password_file(), csv_dir=demo_csv_dir(env))
+        seed_demo(
+            env,
+            password_file=demo_password_file(),
+            csv_dir=demo_csv_dir(env),
+            parquet_dir=demo_parquet_dir(env),
+        )
         print(f"\n  Admin:  http://127.0.0.1:{port}/admin/   (see the login above)", flush=True)
         manage("demo_api_token", "--url", f"http://127.0.0.1:{port}/api/v1/", env=env)
         print(flush=True)
@@ -356,6 +394,9 @@ def cmd_env() -> int:
     csv_dirs = csv_env(dict(os.environ)).get("DISPATCH_CSV_BASE_DIRS")
     if csv_dirs != os.environ.get("DISPATCH_CSV_BASE_DIRS"):  # the demo's directory
         print(f"export DISPATCH_CSV_BASE_DIRS={csv_dirs}")
+    parquet_dirs = parquet_env(dict(os.environ)).get("DISPATCH_PARQUET_BASE_DIRS")
+    if parquet_dirs != os.environ.get("DISPATCH_PARQUET_BASE_DIRS"):
+        print(f"export DISPATCH_PARQUET_BASE_DIRS={parquet_dirs}")
     if embedded:
         # On stderr, so that `eval "$(python -m project.dev env)"` still works.
         print(

@@ -184,6 +184,8 @@ DISPATCH_LISTEN_PROBE_TIMEOUT = _float("DISPATCH_LISTEN_PROBE_TIMEOUT", 5.0)
 # Directories csv datasources' base_dir must lie in (comma-separated); empty: CSV
 # datasources are disabled (docs/security.md).
 DISPATCH_CSV_BASE_DIRS = env.list("DISPATCH_CSV_BASE_DIRS", default=[])
+# The same for parquet datasources; empty: Parquet datasources are disabled.
+DISPATCH_PARQUET_BASE_DIRS = env.list("DISPATCH_PARQUET_BASE_DIRS", default=[])
 # Definition files (docs/as-code.md): the environment variables and directories their
 # secret references may name.
 DISPATCH_APPLY_ENV_PREFIX = env.str("DISPATCH_APPLY_ENV_PREFIX", default="DISPATCH_SECRET_")

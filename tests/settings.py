@@ -36,6 +36,7 @@ def _pytest_temp_root() -> str:
 
 
 os.environ.setdefault("DISPATCH_CSV_BASE_DIRS", _pytest_temp_root())
+os.environ.setdefault("DISPATCH_PARQUET_BASE_DIRS", _pytest_temp_root())
 
 from project.settings import *  # noqa: E402,F403
 

@@ -13,6 +13,7 @@ import pytest
 import yaml
 from django.db import connection
 from psycopg import sql
+from pyarrow.dataset import dataset as pq_dataset
 
 from dispatch import api
 from dispatch.models import MANAGED_BY_FILES, Datasource, Job, JobBinding
@@ -26,6 +27,11 @@ BINDINGS = {
     "demo-generate-to-null": ("demo-generate-100k", "demo-generator", "demo-discard"),
     "demo-orders-pg-to-pg": ("demo-orders-copy", "demo-pg-source", "demo-pg-sink"),
     "demo-orders-csv-to-pg": ("demo-orders-csv-load", "demo-csv-files", "demo-pg-sink"),
+    "demo-orders-pg-to-parquet": (
+        "demo-orders-parquet-export",
+        "demo-pg-source",
+        "demo-parquet-files",
+    ),
 }
 
 
@@ -56,13 +62,20 @@ def test_demo__applied_from_its_files_a_second_time_unchanged_and_its_bindings_r
     password_file.write_text("demo-login-pw")
     # Under pytest's temporary root, which tests.settings allows for CSV files.
     csv_dir = tmp_path / "csv" / "demo"
+    parquet_dir = tmp_path / "parquet" / "demo"  # allowed for Parquet files likewise
 
     def seed() -> str:
-        dev.seed_demo(env, password_file=password_file, csv_dir=csv_dir, databases=demo_databases)
+        dev.seed_demo(
+            env,
+            password_file=password_file,
+            csv_dir=csv_dir,
+            parquet_dir=parquet_dir,
+            databases=demo_databases,
+        )
         return capfd.readouterr().out
 
     first = seed()
-    assert "Plan: 12 to create, 0 to change, 0 to delete, 0 unchanged." in first, first
+    assert "Plan: 15 to create, 0 to change, 0 to delete, 0 unchanged." in first, first
     found = {
         b.name: (b.job.name, b.source.name, b.sink.name)
         for b in JobBinding.objects.select_related("job", "source", "sink")
@@ -81,7 +94,7 @@ def test_demo__applied_from_its_files_a_second_time_unchanged_and_its_bindings_r
 
     versions = row_versions(*DEFINITION_TABLES)
     second = seed()
-    assert "Plan: 0 to create, 0 to change, 0 to delete, 12 unchanged." in second, second
+    assert "Plan: 0 to create, 0 to change, 0 to delete, 15 unchanged." in second, second
     assert row_versions(*DEFINITION_TABLES) == versions  # nothing written
 
     runs = [api.trigger(name) for name in BINDINGS]
@@ -95,6 +108,8 @@ def test_demo__applied_from_its_files_a_second_time_unchanged_and_its_bindings_r
     ) as sink:
         assert sink.execute("SELECT count(*) FROM public.orders_copy").fetchone() == (100_000,)
         assert sink.execute("SELECT count(*) FROM public.orders_csv").fetchone() == (3,)
+    orders = pq_dataset(str(parquet_dir / "orders"), format="parquet")
+    assert orders.count_rows() == 100_000
 
 
 def test_demo_csv_dir__only_where_the_site_allows_it(
@@ -114,7 +129,7 @@ def test_demo_url__the_site_server_and_role_with_another_database() -> None:
     assert url == "postgresql://loader:p%40ss@db.local:6543/demo%20x"
 
 
-@pytest.mark.parametrize("name", ["pipelines.yaml", "csv.yaml"])
+@pytest.mark.parametrize("name", ["pipelines.yaml", "csv.yaml", "parquet.yaml"])
 def test_demo_files__valid_by_the_published_schema(name: str) -> None:
     schema = json.loads((dev.ROOT / "docs" / "as-code.schema.json").read_text())
     data = yaml.safe_load((dev.DEMO_DIR / name).read_text())

@@ -27,7 +27,8 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import date, datetime, time
 from pathlib import PurePosixPath
 from typing import IO, Any, TextIO
@@ -103,17 +104,33 @@ def _os_error(message: str, exc: OSError) -> Exception:
 
 
 def root_problem(root: str, places: list[paths.Protected] | None = None) -> str | None:
-    """Why the DISPATCH_CSV_BASE_DIRS entry `root` allows nothing, or None."""
+    """Why the base-directory setting's entry `root` allows nothing, or None."""
     if not os.path.isabs(root):
         return "is not an absolute path"
     return paths.conflict(root, places=places)
 
 
-def check_base_dir(base_dir: str) -> str | None:
+@dataclass(frozen=True)
+class BaseDirs:
+    """A file kind's base-directory rules: the setting that lists where its files may
+    live (empty: the kind is disabled) and the words its refusals use. The CSV and
+    Parquet kinds share the rules and the resolution below, each with its own setting."""
+
+    setting: str
+    files: str  # "CSV files", in messages
+    allowed: Callable[[], list[str]]
+    disabled: str
+
+
+# Looked up at each call (override_settings, monkeypatched conf functions).
+CSV_DIRS = BaseDirs("DISPATCH_CSV_BASE_DIRS", "CSV files", lambda: conf.csv_base_dirs(), DISABLED)
+
+
+def check_base_dir(base_dir: str, dirs: BaseDirs = CSV_DIRS) -> str | None:
     """Why `base_dir` is not allowed as a base directory (a sentence), or None."""
-    allowed = conf.csv_base_dirs()
+    allowed = dirs.allowed()
     if not allowed:
-        return DISABLED
+        return dirs.disabled
     if not os.path.isabs(base_dir):
         return f"base_dir {base_dir!r} must be an absolute path"
     real = os.path.realpath(base_dir)
@@ -123,28 +140,28 @@ def check_base_dir(base_dir: str) -> str | None:
     clash = paths.conflict(real, places=places)
     if clash:
         return (
-            f"base_dir {base_dir!r} {clash}; CSV files need a directory of their own "
+            f"base_dir {base_dir!r} {clash}; {dirs.files} need a directory of their own "
             "(docs/security.md)"
         )
     for root in allowed:
-        # An entry that is itself refused (dispatch.E016) allows nothing.
+        # An entry that is itself refused (dispatch.E016, E020) allows nothing.
         if root_problem(root, places):
             continue
         if paths.within(real, os.path.realpath(root)):
             return None
     return (
-        f"base_dir {base_dir!r} is not inside a directory the site allows for CSV files "
-        f"(DISPATCH_CSV_BASE_DIRS: {', '.join(allowed)})"
+        f"base_dir {base_dir!r} is not inside a directory the site allows for {dirs.files} "
+        f"({dirs.setting}: {', '.join(allowed)})"
     )
 
 
-def resolve(base_dir: str, path: str) -> str:
+def resolve(base_dir: str, path: str, dirs: BaseDirs = CSV_DIRS) -> str:
     """The real path of `path` under `base_dir`; refuses anything that leaves it."""
     try:
         check_relative_path(path)
     except ValidationError as exc:
         raise PermanentError(exc.messages[0]) from None
-    refused = check_base_dir(base_dir)
+    refused = check_base_dir(base_dir, dirs)
     if refused:
         raise PermanentError(refused)
     base = os.path.realpath(base_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from functools import cache
 
 from django.core.exceptions import ImproperlyConfigured
@@ -16,6 +17,15 @@ BUILTIN = [
     "dispatch.connectors.postgresql.PostgreSQLConnector",
     "dispatch.connectors.csv.CSVConnector",
 ]
+# Built-in kinds that need an optional dependency (an extra of the package): listed when
+# it is installed, absent (an unknown kind) when not.
+OPTIONAL_BUILTIN = {
+    "dispatch.connectors.parquet.ParquetConnector": "pyarrow",
+}
+
+
+def _optional() -> list[str]:
+    return [p for p, module in OPTIONAL_BUILTIN.items() if importlib.util.find_spec(module)]
 
 
 class UnknownKind(LookupError):
@@ -44,7 +54,7 @@ def _load(paths: tuple[str, ...]) -> dict[str, type[Connector]]:
 
 
 def kinds() -> dict[str, type[Connector]]:
-    return _load(tuple(BUILTIN + conf.extra_connectors()))
+    return _load(tuple(BUILTIN + _optional() + conf.extra_connectors()))
 
 
 def get(kind: str) -> type[Connector]:
