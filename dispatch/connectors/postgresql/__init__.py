@@ -18,7 +18,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from dispatch.conf import SSLMODES
-from dispatch.connectors import incremental
+from dispatch.connectors import columns, incremental
 from dispatch.connectors.base import (
     Column,
     ConfigField,
@@ -106,6 +106,12 @@ class PostgreSQLConnector(Connector):
             "read only the rows past the committed cursor: an object with "
             + ", ".join(sorted(incremental.SPEC_FIELDS))
             + " (cursor required: a list of columns)",
+        ),
+        SpecField(
+            "columns",
+            "table sources: {select: [...]} or {exclude: [...]}, rename: {source: sink}, "
+            "hash: [...] (a keyed HMAC-SHA256 of the value's text, hex, delivered as text; "
+            "the key is the binding's hash key); names only, checked against the table",
         ),
         SpecField(
             "slices",
@@ -222,6 +228,7 @@ class PostgreSQLConnector(Connector):
                 raise ValidationError("query: must be one statement (no ';')")
         incremental.validate(spec)
         slices.validate(spec)
+        columns.validate(spec)
         _timeouts(spec)
         return spec
 

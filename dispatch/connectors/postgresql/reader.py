@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 from psycopg import pq, sql
 
+from dispatch.connectors import columns as column_spec
 from dispatch.connectors import incremental, sqlsafety
 from dispatch.connectors.base import SLICE_RANGE, Batch, Column, PermanentError, TransferContext
 from dispatch.connectors.postgresql import slices
@@ -83,6 +84,11 @@ class _Reader:
         # creates one (logged as a warning when the reader opens).
         self.index_needed: str | None = None
         self.bounds: incremental.Bounds | None = None
+        # A table source's `columns` (dispatch/connectors/columns.py): the read delivers
+        # these, projected in SQL around whatever it copies. Cursor and slice keys stay
+        # the table's own columns, delivered or not.
+        self.column_spec = column_spec.parse(spec)
+        self.projected: list[column_spec.Projected] | None = None
 
     def _relation(self) -> sql.Composable:
         if self.spec.get("table"):
@@ -146,12 +152,19 @@ class _Reader:
                     [self.oids, mods, tables, attnums],
                 )
             ]
-            self.columns = [Column(n, t) for n, t in zip(names, types, strict=True)]
+            table_columns = [Column(n, t) for n, t in zip(names, types, strict=True)]
+            self.columns = table_columns
             if self.incremental is not None:
                 self._plan = incremental.CursorReadPlan(
-                    self.incremental, self._relation(), self.columns
+                    self.incremental, self._relation(), table_columns
                 )
                 self._check_cursor_index(names, tables, attnums)
+            if self.column_spec is not None:
+                # Checked again here, against the snapshot the rows come from: a column
+                # dropped or renamed since the spec was saved fails the run for good.
+                self.projected = column_spec.project(self.column_spec, names)
+                self.columns = column_spec.sink_columns(self.projected, table_columns)
+                self.oids = [self.oids[names.index(p.source)] for p in self.projected]
 
     def _check_cursor_index(self, names: list[str], tables: list[int], attnums: list[int]) -> None:
         """An incremental read of a table streams in the cursor's order only from a btree
@@ -194,12 +207,25 @@ class _Reader:
 
     def _read_relation(self) -> sql.Composable:
         """What the read copies: the table or query, or an incremental read's bounded
-        select of it."""
+        select of it; with `columns`, a select list of identifiers around it (the bounded
+        select's ORDER BY makes its subquery a scan of its own, so the order stays)."""
         if self._plan is not None and self.bounds is None:
             raise PermanentError("incremental read started without its cursor bounds")
         if self._plan is not None and self.bounds is not None:
-            return self._plan.select(self.bounds)
-        return self._relation()
+            relation = self._plan.select(self.bounds)
+        else:
+            relation = self._relation()
+        if self.projected is None:
+            return relation
+        return sql.SQL("SELECT {} FROM ({}) AS q").format(
+            sql.SQL(", ").join(
+                sql.SQL("q.{} AS {}").format(sql.Identifier(p.source), sql.Identifier(p.sink))
+                if p.source != p.sink
+                else sql.SQL("q.{}").format(sql.Identifier(p.source))
+                for p in self.projected
+            ),
+            relation,
+        )
 
     def _report_estimate(self) -> None:
         """Tell the context how many rows the read will yield, before the first: the
