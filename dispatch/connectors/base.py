@@ -57,6 +57,14 @@ class Column:
     name: str
     # The PostgreSQL type, exactly (e.g. "numeric(12,2)"), or "" when the source has none.
     type: str = ""
+    # What a table source declares of it, for a sink that creates its table like the
+    # source's (a query's or a file's columns declare nothing): NOT NULL; its place in the
+    # primary key (1-based, 0: not in it); and (number, place) in each unique constraint
+    # it belongs to. A key or constraint is described only when every one of its columns
+    # is delivered.
+    not_null: bool = False
+    key: int = 0
+    unique: tuple[tuple[int, int], ...] = ()
 
 
 class Fence(Protocol):

@@ -189,3 +189,151 @@ def test_columns__two_columns_renamed_to_one_sink_name_are_refused() -> None:
     assert parsed is not None
     with pytest.raises(PermanentError, match="the sink would get b twice"):
         column_spec.project(parsed, ["a", "b"])
+
+
+# --- created sinks like their source ------------------------------------------------------
+def _constraints(db: ScratchDB, table: str) -> list[tuple[str, str]]:
+    return [
+        (r[0], r[1])
+        for r in db.execute(
+            "SELECT contype::text, pg_get_constraintdef(oid) FROM pg_constraint"
+            " WHERE conrelid = %s::regclass AND contype IN ('p', 'u') ORDER BY contype, conname",
+            [table],
+        )
+    ]
+
+
+def _not_null(db: ScratchDB, table: str) -> list[str]:
+    return [
+        r[0]
+        for r in db.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0"
+            " AND attnotnull ORDER BY attnum",
+            [table],
+        )
+    ]
+
+
+SHAPED = """
+CREATE TABLE orders (
+    region text NOT NULL, number integer NOT NULL, code text NOT NULL, email text,
+    note text, PRIMARY KEY (number, region), UNIQUE (code), UNIQUE (email, note)
+);
+INSERT INTO orders VALUES ('eu', 1, 'A', 'a@x', NULL), ('us', 1, 'B', NULL, 'n');
+"""
+
+
+@pytest.mark.django_db
+def test_create__takes_the_sources_primary_key_and_not_nulls(
+    src_db: ScratchDB, dst_db: ScratchDB
+) -> None:
+    src_db.execute(SHAPED)
+    spec = {"table": "orders", "columns": {"rename": {"number": "n"}}}
+    run_transfer(
+        PG, src_db.config, spec, PG, dst_db.config,
+        {"table": "created", "create": True, "mode": "replace"},
+    )  # fmt: skip
+    # The key in the source's key order, under the sink's names; no unique constraint
+    # unless asked.
+    assert _constraints(dst_db, "created") == [("p", "PRIMARY KEY (n, region)")]
+    assert _not_null(dst_db, "created") == ["region", "n", "code"]
+    assert dst_db.execute("SELECT count(*) FROM created") == [(2,)]
+    # Appending takes the NOT NULLs, not the key: a row may be appended again.
+    for _ in range(2):
+        run_transfer(PG, src_db.config, spec, PG, dst_db.config, {"table": "log", "create": True})
+    assert _constraints(dst_db, "log") == []
+    assert _not_null(dst_db, "log") == ["region", "n", "code"]
+    assert dst_db.execute("SELECT count(*) FROM log") == [(4,)]
+
+
+@pytest.mark.django_db
+def test_create__unique_constraints_when_asked_and_only_those_wholly_delivered(
+    src_db: ScratchDB, dst_db: ScratchDB
+) -> None:
+    src_db.execute(SHAPED)
+    run_transfer(
+        PG, src_db.config, {"table": "orders", "columns": {"exclude": ["note"]}},
+        PG, dst_db.config,
+        {"table": "created", "create": True, "create_unique": True, "mode": "replace"},
+    )  # fmt: skip
+    # (email, note) lost its column `note`: it is not carried.
+    assert _constraints(dst_db, "created") == [
+        ("p", "PRIMARY KEY (number, region)"),
+        ("u", "UNIQUE (code)"),
+    ]
+
+
+@pytest.mark.django_db
+def test_create__a_key_excluded_in_part_is_not_carried_and_key_gives_one(
+    src_db: ScratchDB, dst_db: ScratchDB
+) -> None:
+    src_db.execute(SHAPED)
+    spec = {"table": "orders", "columns": {"exclude": ["region"]}}
+    run_transfer(
+        PG, src_db.config, spec, PG, dst_db.config,
+        {"table": "nokey", "create": True, "mode": "replace"},
+    )  # fmt: skip
+    assert _constraints(dst_db, "nokey") == []
+    # A source without a (delivered) key is given one by the sink spec's `key`.
+    run_transfer(
+        PG, src_db.config, spec, PG, dst_db.config,
+        {"table": "keyed", "create": True, "key": ["code"]},
+    )  # fmt: skip
+    assert _constraints(dst_db, "keyed") == [("p", "PRIMARY KEY (code)")]
+
+
+@pytest.mark.django_db
+def test_create__the_35_type_sample_keeps_its_primary_key(
+    sample: tuple[ScratchDB, ScratchDB],
+) -> None:
+    src, dst = sample
+    run_transfer(
+        PG, src.config, {"table": "source"}, PG, dst.config,
+        {"table": "created", "create": True, "mode": "replace"},
+    )  # fmt: skip
+    assert _constraints(dst, "created") == [("p", "PRIMARY KEY (id)")]
+    assert _types(dst, "created") == _types(src, "source")
+
+
+@pytest.mark.django_db
+def test_upsert__a_key_the_sink_does_not_enforce_fails_before_any_row_moves(
+    src_db: ScratchDB, dst_db: ScratchDB
+) -> None:
+    src_db.execute(SHAPED)
+    dst_db.execute(
+        "CREATE TABLE target (region text, number integer, code text, email text, note text);"
+        "CREATE UNIQUE INDEX partial ON target (code) WHERE code <> 'A'"
+    )
+    ctx = Ctx()
+    with pytest.raises(
+        PermanentError, match=r"public.target has no unique index or constraint on \(code\)"
+    ):
+        run_transfer(
+            PG, src_db.config, {"table": "orders"}, PG, dst_db.config,
+            {"table": "target", "mode": "upsert", "key": ["code"]}, ctx,
+        )  # fmt: skip
+    assert ctx.rows_read == 0
+    # Once the sink enforces it (an index on exactly those columns), the upsert runs.
+    dst_db.execute("CREATE UNIQUE INDEX whole ON target (code)")
+    result = run_transfer(
+        PG, src_db.config, {"table": "orders"}, PG, dst_db.config,
+        {"table": "target", "mode": "upsert", "key": ["code"]},
+    )  # fmt: skip
+    assert result.rows_written == 2
+
+
+@pytest.mark.parametrize(
+    ("sink", "message"),
+    [
+        ({"key": ["a"]}, "key: only used with mode upsert, or with create"),
+        ({"create": True, "key": "a"}, "key: must be a non-empty list"),
+        ({"mode": "upsert", "key": ["a", "a"]}, "key: a column is named more than once"),
+        ({"create_unique": True}, "create_unique: only used with create"),
+        ({"create": True, "create_unique": "yes"}, "create_unique: must be true or false"),
+    ],
+)
+def test_create__bad_sink_specs_are_refused_naming_the_field(
+    sink: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message):
+        PG.validate_sink_spec({"table": "t", **sink})

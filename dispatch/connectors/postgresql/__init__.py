@@ -131,8 +131,22 @@ class PostgreSQLConnector(Connector):
     sink_fields = (
         SpecField("table", "name or schema.name to write (required)"),
         SpecField("mode", f"{', '.join(SINK_MODES)} (default {SINK_MODES[0]})"),
-        SpecField("key", "the key columns of upsert, a list"),
-        SpecField("create", "true: create a missing table with the source's columns"),
+        SpecField(
+            "key",
+            "the key columns of upsert, a list (the sink must enforce it: a unique index or "
+            "constraint on exactly them); with create, the created table's primary key "
+            "(instead of the source's)",
+        ),
+        SpecField(
+            "create",
+            "true: create a missing table like the source's: columns with their exact "
+            "types, NOT NULLs and (except in append) primary key",
+        ),
+        SpecField(
+            "create_unique",
+            "with create, true: the created table also gets the source table's unique "
+            "constraints (those whose every column is delivered)",
+        ),
         SpecField(
             "truncate",
             "replace only, true: TRUNCATE instead of DELETE (faster; readers wait for the "
@@ -251,9 +265,25 @@ class PostgreSQLConnector(Connector):
             ):
                 raise ValidationError("key: upsert needs a non-empty list of column names")
         elif key is not None:
-            raise ValidationError("key: only used with mode upsert")
+            if not spec.get("create"):
+                raise ValidationError(
+                    "key: only used with mode upsert, or with create (the created table's "
+                    "primary key)"
+                )
+            if (
+                not isinstance(key, list)
+                or not key
+                or not all(isinstance(k, str) and k for k in key)
+            ):
+                raise ValidationError("key: must be a non-empty list of column names")
+        if isinstance(key, list) and len(set(key)) != len(key):
+            raise ValidationError("key: a column is named more than once")
         if not isinstance(spec.get("create", False), bool):
             raise ValidationError("create: must be true or false")
+        if not isinstance(spec.get("create_unique", False), bool):
+            raise ValidationError("create_unique: must be true or false")
+        if spec.get("create_unique") and not spec.get("create"):
+            raise ValidationError("create_unique: only used with create")
         if not isinstance(spec.get("truncate", False), bool):
             raise ValidationError("truncate: must be true or false")
         if spec.get("truncate") and mode != "replace":

@@ -132,26 +132,25 @@ class _Reader:
             # catalog says: numeric(12,2), character varying(20), posint, integer[] ...
             tables = [result.ftable(i) for i in range(result.nfields)]
             attnums = [result.ftablecol(i) for i in range(result.nfields)]
-            types = [
-                row[0]
-                for row in self.conn.execute(
-                    "SELECT coalesce(pg_catalog.format_type(a.atttypid, a.atttypmod),"
-                    "                pg_catalog.format_type(t.oid, t.mod))"
-                    # ROWS FROM: the multi-argument unnest() shorthand takes no schema.
-                    "  FROM ROWS FROM (pg_catalog.unnest(%s::pg_catalog.oid[]),"
-                    "                  pg_catalog.unnest(%s::pg_catalog.int4[]),"
-                    "                  pg_catalog.unnest(%s::pg_catalog.oid[]),"
-                    "                  pg_catalog.unnest(%s::pg_catalog.int4[]))"
-                    "       WITH ORDINALITY AS t(oid, mod, rel, att, n)"
-                    "  LEFT JOIN pg_catalog.pg_attribute a"
-                    "    ON t.rel OPERATOR(pg_catalog.<>) 0"
-                    "   AND a.attrelid OPERATOR(pg_catalog.=) t.rel"
-                    "   AND a.attnum OPERATOR(pg_catalog.=) t.att"
-                    "   AND NOT a.attisdropped"
-                    " ORDER BY t.n",
-                    [self.oids, mods, tables, attnums],
-                )
-            ]
+            described = self.conn.execute(
+                "SELECT coalesce(pg_catalog.format_type(a.atttypid, a.atttypmod),"
+                "                pg_catalog.format_type(t.oid, t.mod)),"
+                "       coalesce(a.attnotnull, false)"
+                # ROWS FROM: the multi-argument unnest() shorthand takes no schema.
+                "  FROM ROWS FROM (pg_catalog.unnest(%s::pg_catalog.oid[]),"
+                "                  pg_catalog.unnest(%s::pg_catalog.int4[]),"
+                "                  pg_catalog.unnest(%s::pg_catalog.oid[]),"
+                "                  pg_catalog.unnest(%s::pg_catalog.int4[]))"
+                "       WITH ORDINALITY AS t(oid, mod, rel, att, n)"
+                "  LEFT JOIN pg_catalog.pg_attribute a"
+                "    ON t.rel OPERATOR(pg_catalog.<>) 0"
+                "   AND a.attrelid OPERATOR(pg_catalog.=) t.rel"
+                "   AND a.attnum OPERATOR(pg_catalog.=) t.att"
+                "   AND NOT a.attisdropped"
+                " ORDER BY t.n",
+                [self.oids, mods, tables, attnums],
+            ).fetchall()
+            types = [row[0] for row in described]
             table_columns = [Column(n, t) for n, t in zip(names, types, strict=True)]
             self.columns = table_columns
             if self.incremental is not None:
@@ -165,6 +164,19 @@ class _Reader:
                 self.projected = column_spec.project(self.column_spec, names)
                 self.columns = column_spec.sink_columns(self.projected, table_columns)
                 self.oids = [self.oids[names.index(p.source)] for p in self.projected]
+            if self.spec.get("table"):
+                delivered = (
+                    [names.index(p.source) for p in self.projected]
+                    if self.projected is not None
+                    else list(range(len(names)))
+                )
+                self.columns = _declared(
+                    self.conn,
+                    self.columns,
+                    [bool(described[i][1]) for i in delivered],
+                    tables[0] if tables else 0,
+                    [attnums[i] for i in delivered],
+                )
 
     def _check_cursor_index(self, names: list[str], tables: list[int], attnums: list[int]) -> None:
         """An incremental read of a table streams in the cursor's order only from a btree
@@ -356,6 +368,49 @@ class _Reader:
         """Cancel the statement (or COPY) running on the connection, from another thread
         (the runner's, when the sink side of a copy has stopped)."""
         self._canceller.interrupt()
+
+
+# A table's primary key and plain unique constraints (unique indexes included): valid,
+# without a predicate or an expression; key columns only (not INCLUDE columns).
+_KEYS_SQL = (
+    "SELECT i.indisprimary, pg_catalog.array_agg(k.att ORDER BY k.n)::pg_catalog.int4[]"
+    "  FROM pg_catalog.pg_index i,"
+    "       pg_catalog.unnest(i.indkey::pg_catalog.int2[]) WITH ORDINALITY AS k(att, n)"
+    " WHERE i.indrelid OPERATOR(pg_catalog.=) %s AND i.indisunique AND i.indisvalid"
+    "   AND i.indpred IS NULL AND i.indexprs IS NULL"
+    "   AND k.n OPERATOR(pg_catalog.<=) i.indnkeyatts"
+    " GROUP BY i.indexrelid, i.indisprimary"
+    " ORDER BY i.indisprimary DESC, i.indexrelid"
+)
+
+
+def _declared(
+    conn: psycopg.Connection[Any],
+    columns: list[Column],
+    not_null: list[bool],
+    table: int,
+    attnums: list[int],
+) -> list[Column]:
+    """The delivered columns of a table source with what the table declares of them: NOT
+    NULL, the primary key and the unique constraints whose every column is delivered
+    (`Column`), for a sink that creates its table like the source's."""
+    key: dict[int, int] = {}
+    unique: dict[int, list[tuple[int, int]]] = {}
+    if table:
+        number = 0
+        for primary, atts in conn.execute(_KEYS_SQL, [table]).fetchall():
+            if not all(a in attnums for a in atts):
+                continue  # a column of it is not delivered: it constrains nothing here
+            if primary:
+                key = {a: n for n, a in enumerate(atts, 1)}
+                continue
+            number += 1
+            for n, a in enumerate(atts, 1):
+                unique.setdefault(a, []).append((number, n))
+    return [
+        Column(c.name, c.type, nn, key.get(att, 0), tuple(unique.get(att, ())))
+        for c, nn, att in zip(columns, not_null, attnums, strict=True)
+    ]
 
 
 def _wait(pgconn: Any) -> None:
