@@ -167,6 +167,13 @@ def copy_format(reader: Any, writer: Any) -> str | None:
             return None
         return str(source[0])
     fmt = writer.copy_format(reader.columns)
+    # A reader may hand out only some formats (keyed hashes: text); a sink that asked for
+    # binary reads text as well, any other then gets decoded rows.
+    only = getattr(reader, "copy_formats", None)
+    if only is not None and fmt not in only:
+        fmt = "text" if fmt == "binary" and "text" in only else None
+        if fmt is not None and hasattr(writer, "use_copy_format"):
+            writer.use_copy_format(fmt)
     return fmt if fmt in ("binary", "text", "csv") else None
 
 

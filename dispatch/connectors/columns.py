@@ -97,6 +97,12 @@ def parse(spec: dict[str, Any]) -> ColumnsSpec | None:
     return ColumnsSpec(select, exclude, rename, hashed)
 
 
+def hashes(spec: Any) -> bool:
+    """Whether a (source) spec asks for keyed hashes: its run needs the binding's key."""
+    raw = spec.get("columns") if isinstance(spec, dict) else None
+    return isinstance(raw, dict) and bool(raw.get("hash"))
+
+
 def validate(spec: dict[str, Any]) -> None:
     """Save-time checks that need no connection: the shape, and that a query source (whose
     columns its author writes) does not take the option."""

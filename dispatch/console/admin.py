@@ -63,7 +63,7 @@ from dispatch.console.badges import (
     reason_badge,
     status_badge,
 )
-from dispatch.console.forms import DatasourceForm, JobForm, config_field_names
+from dispatch.console.forms import BindingForm, DatasourceForm, JobForm, config_field_names
 from dispatch.console.managed import ManagedByFilesAdmin
 from dispatch.console.overview import overview_view
 from dispatch.console.paging import CappedPaginator
@@ -771,6 +771,7 @@ class JobAdmin(ManagedByFilesAdmin, querypermission.QueryPermissionAdmin, Consol
 
 @admin.register(JobBinding)
 class JobBindingAdmin(ManagedByFilesAdmin, querypermission.QueryPermissionAdmin, ConsoleAdmin):
+    form = BindingForm
     form_wrapper = staticmethod(querypermission.binding_form)
     guard = staticmethod(querypermission.guard_binding_save)
 

@@ -337,3 +337,115 @@ def test_create__bad_sink_specs_are_refused_naming_the_field(
 ) -> None:
     with pytest.raises(ValidationError, match=message):
         PG.validate_sink_spec({"table": "t", **sink})
+
+
+# --- keyed hashes ---------------------------------------------------------------------------
+HASHED = ["c_text", "c_timestamptz", "c_json", "c_bytea", "c_int_matrix", "c_enum", "c_boolean"]
+
+
+def _expected_hashes(db: ScratchDB, key: bytes) -> list[tuple[str | None, ...]]:
+    """HMAC-SHA256 of each hashed value's output text (what COPY writes, under dispatch's
+    output settings), computed here from the source's own rows."""
+    import hashlib
+    import hmac
+
+    with connect(db.name) as conn:
+        conn.execute(receipts.OUTPUT_SETTINGS_SQL)
+        rows = conn.execute(
+            sql.SQL("SELECT {} FROM source ORDER BY id").format(
+                sql.SQL(", ").join(
+                    sql.SQL("CASE WHEN {0} IS NULL THEN NULL ELSE concat({0}) END").format(
+                        sql.Identifier(c)
+                    )
+                    for c in HASHED
+                )
+            )
+        ).fetchall()
+    return [
+        tuple(
+            None if v is None else hmac.new(key, v.encode(), hashlib.sha256).hexdigest()
+            for v in row
+        )
+        for row in rows
+    ]
+
+
+def _hash_columns(rows_only: bool) -> dict[str, Any]:
+    columns: dict[str, Any] = {"hash": HASHED, "rename": {"c_text": "who"}}
+    if rows_only:
+        # Decoded rows: values Python can hold (the sample's infinite and BC dates
+        # cannot be), plus the hashed ones (loaded as text, never decoded).
+        columns["select"] = ["id", "c_integer", "c_numeric_p", "c_uuid", *HASHED]
+    return columns
+
+
+def _hash_copy(
+    src: ScratchDB, dst: ScratchDB, table: str, key: bytes, rows_only: bool = False, **options: Any
+) -> Any:
+    return run_transfer(
+        PG, src.config,
+        {"table": "source", "columns": _hash_columns(rows_only)},
+        PG, dst.config, {"table": table, "create": True, "mode": "replace", **options},
+        Ctx(hash_key=key), rows_only=rows_only,
+    )  # fmt: skip
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "path", ["pass-through", "receipt", "rows"], ids=["pass-through", "receipt", "rows"]
+)
+def test_hash__values_are_the_keyed_hash_of_their_text_stable_and_per_key(
+    sample: tuple[ScratchDB, ScratchDB], path: str
+) -> None:
+    src, dst = sample
+    key, other = b"k" * 32, b"another key, as long"
+    options: dict[str, Any] = {"receipt": True} if path == "receipt" else {}
+    if path == "rows":
+        options["rows_only"] = True
+    assert _hash_copy(src, dst, "first", key, **dict(options)).rows_written == 3
+    sink_names = ["who" if c == "c_text" else c for c in HASHED]
+    expected = _expected_hashes(src, key)
+    assert _values(dst, "first", ["id", *sink_names]) == [
+        (str(i), *row) for i, row in zip([1, 2, 3], expected, strict=True)
+    ]
+    # Row 2 is all NULLs: NULL stays NULL; the others are 64 hex digits.
+    assert expected[1] == (None,) * len(HASHED)
+    assert all(len(v) == 64 for v in expected[0])
+    # A hashed column is text; every other column keeps its exact type.
+    types = dict(_types(dst, "first"))
+    assert all(types[n] == "text" for n in sink_names)
+    src_types = dict(_types(src, "source"))
+    if path == "rows":
+        src_types = {n: t for n, t in src_types.items() if n in _hash_columns(True)["select"]}
+    assert all(types[n] == t for n, t in src_types.items() if n not in HASHED)
+    others = [n for n in src_types if n not in HASHED]
+    assert _values(dst, "first", others) == _values(src, "source", others)
+    # Stable across runs, different under another key.
+    _hash_copy(src, dst, "again", key, **dict(options))
+    _hash_copy(src, dst, "other", other, **dict(options))
+    assert _values(dst, "again", sink_names) == _values(dst, "first", sink_names)
+    first = dict(_values(dst, "first", ["id", "who"]))
+    under_other = dict(_values(dst, "other", ["id", "who"]))
+    assert first["1"] != under_other["1"] and first["3"] != under_other["3"]
+    assert first["2"] is None and under_other["2"] is None
+    if path == "receipt":
+        # The receipt describes the rows as the sink holds them (the hashes).
+        (row,) = dst.execute(
+            "SELECT columns, digest FROM dispatch_receipt ORDER BY committed_at LIMIT 1"
+        )
+        with connect(dst.name) as conn:
+            conn.execute(receipts.OUTPUT_SETTINGS_SQL)
+            again = conn.execute(receipts.digest_sql(sql.Identifier("first"), row[0])).fetchone()
+        assert again is not None and again[2] == row[1]
+
+
+@pytest.mark.django_db
+def test_hash__a_read_without_its_key_fails_naming_the_option(
+    sample: tuple[ScratchDB, ScratchDB],
+) -> None:
+    src, dst = sample
+    with pytest.raises(PermanentError, match="columns.hash: the read was given no hash key"):
+        run_transfer(
+            PG, src.config, {"table": "source", "columns": {"hash": ["c_text"]}},
+            PG, dst.config, {"table": "created", "create": True},
+        )  # fmt: skip

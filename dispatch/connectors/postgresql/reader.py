@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import re
 import select
 from collections.abc import Iterator
 from typing import Any
@@ -89,6 +92,12 @@ class _Reader:
         # the table's own columns, delivered or not.
         self.column_spec = column_spec.parse(spec)
         self.projected: list[column_spec.Projected] | None = None
+        # `columns.hash`: the binding's key (the runner's context carries it) and the
+        # delivered columns it applies to. The hash is computed here, in the worker: the
+        # key is never sent to a server (COPY takes no parameters, and statements and
+        # their parameters may be logged).
+        self._hash_key: bytes | None = getattr(ctx, "hash_key", None)
+        self._hashed: list[int] = []
 
     def _relation(self) -> sql.Composable:
         if self.spec.get("table"):
@@ -164,6 +173,7 @@ class _Reader:
                 self.projected = column_spec.project(self.column_spec, names)
                 self.columns = column_spec.sink_columns(self.projected, table_columns)
                 self.oids = [self.oids[names.index(p.source)] for p in self.projected]
+                self._hashed = [i for i, p in enumerate(self.projected) if p.hashed]
             if self.spec.get("table"):
                 delivered = (
                     [names.index(p.source) for p in self.projected]
@@ -284,19 +294,41 @@ class _Reader:
             relation, sql.SQL("BINARY" if fmt == "binary" else "TEXT")
         )
 
+    @property
+    def copy_formats(self) -> tuple[str, ...] | None:
+        """The COPY formats this read can hand out (None: any). Keyed hashes are
+        computed on the text format's values."""
+        return ("text",) if self._hashed else None
+
+    def _key(self) -> bytes:
+        if self._hash_key is None:
+            raise PermanentError("columns.hash: the read was given no hash key")
+        return self._hash_key
+
     def batches(self) -> Iterator[Batch]:
-        """Decoded rows, streamed. Binary when psycopg can load every column in binary."""
+        """Decoded rows, streamed. Binary when psycopg can load every column in binary;
+        text with keyed hashes (a hashed column is loaded as its text form and hashed)."""
         assert self.conn is not None
         self._report_estimate()
-        binary = all(
+        hashed = self._hashed
+        key = self._key() if hashed else b""
+        binary = not hashed and all(
             self.conn.adapters.get_loader(oid, pq.Format.BINARY) is not None for oid in self.oids
         )
+        oids = [TEXT_OID if i in hashed else oid for i, oid in enumerate(self.oids)]
+        keyed_hash = column_spec.keyed_hash
         with _errors(self.secrets, "source read", self._canceller):
             cur = self.conn.cursor()
             with cur.copy(self._copy_sql("binary" if binary else "text")) as copy:
-                copy.set_types(self.oids)
+                copy.set_types(oids)
                 batch: Batch = []
                 for row in copy.rows():
+                    if hashed:
+                        values = list(row)
+                        for i in hashed:
+                            if values[i] is not None:
+                                values[i] = keyed_hash(key, values[i])
+                        row = tuple(values)
                     batch.append(row)
                     if len(batch) >= BATCH_ROWS:
                         with self._canceller.suspended():
@@ -317,6 +349,41 @@ class _Reader:
         header rides with the first row and the trailer is a message of its own, so the
         trailer (and only it) is not counted.
         """
+        assert self.conn is not None
+        if self._hashed:
+            if fmt != "text":
+                raise PermanentError(f"columns.hash: a {fmt} COPY cannot carry keyed hashes")
+            yield from self._hashed_chunks()
+            return
+        yield from self._raw_chunks(fmt, options)
+
+    def _hashed_chunks(self) -> Iterator[tuple[bytes, int]]:
+        """Text COPY blocks with the hashed columns' values replaced by their keyed hash
+        (64 hex digits, which need no escaping; NULL stays NULL). Each block holds whole
+        lines, and a newline inside a value is escaped, so splitting on it is exact."""
+        assert self.conn is not None
+        key = self._key()
+        codec = self.conn.info.encoding
+        recode = codec.replace("_", "-").lower() not in ("utf-8", "utf8")
+        hashed = self._hashed
+        for block, rows in self._raw_chunks("text", None):
+            lines = block.split(b"\n")
+            tail = lines.pop()  # the empty remainder after the last newline
+            out = []
+            for line in lines:
+                fields = line.split(b"\t")
+                for i in hashed:
+                    value = fields[i]
+                    if value != b"\\N":
+                        text = _UNESCAPE.sub(_unescape, value)
+                        if recode:
+                            text = text.decode(codec).encode("utf-8")
+                        fields[i] = hmac.new(key, text, hashlib.sha256).hexdigest().encode()
+                out.append(b"\t".join(fields))
+            out.append(tail)
+            yield b"\n".join(out), rows
+
+    def _raw_chunks(self, fmt: str, options: dict[str, str] | None) -> Iterator[tuple[bytes, int]]:
         assert self.conn is not None
         self._report_estimate()
         conn, pgconn = self.conn, self.conn.pgconn
@@ -368,6 +435,26 @@ class _Reader:
         """Cancel the statement (or COPY) running on the connection, from another thread
         (the runner's, when the sink side of a copy has stopped)."""
         self._canceller.interrupt()
+
+
+# The `text` type's OID: a hashed column is loaded as its text form.
+TEXT_OID = 25
+# Text COPY's escapes (what COPY TO writes for a backslash and the control characters).
+_UNESCAPE = re.compile(rb"\\(.)", re.DOTALL)
+_ESCAPED = {
+    b"\\": b"\\",
+    b"b": b"\b",
+    b"f": b"\f",
+    b"n": b"\n",
+    b"r": b"\r",
+    b"t": b"\t",
+    b"v": b"\v",
+}
+
+
+def _unescape(match: re.Match[bytes]) -> bytes:
+    char = match.group(1)
+    return _ESCAPED.get(char, char)
 
 
 # A table's primary key and plain unique constraints (unique indexes included): valid,

@@ -433,6 +433,11 @@ class _Writer:
             self._copy_fmt = "text"
         return self._copy_fmt
 
+    def use_copy_format(self, fmt: str) -> None:
+        """The source sends `fmt` instead of the binary asked for (a reader that hashes
+        columns sends text), which this sink reads as well."""
+        self._copy_fmt = fmt
+
     def accept_copy(self, fmt: str, options: dict[str, Any]) -> bool:
         """Take a source's own COPY format as it is: CSV (a file) with its delimiter, null
         marker (None: none, every field is a string) and header line; the server parses
