@@ -427,7 +427,7 @@ class BindingForm(forms.ModelForm):  # type: ignore[type-arg]
         self.fields["hash_key"].label = "Hash key (one is stored)" if stored else "Hash key"
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        data: dict[str, Any] = super().clean() or {}
         key = data.get("hash_key") or ""
         if data.get("clear_hash_key") and key:
             self.add_error("clear_hash_key", "give a new hash key or forget it, not both")

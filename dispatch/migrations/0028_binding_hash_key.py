@@ -15,6 +15,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='jobbinding',
             name='hash_key_ciphertext',
-            field=models.TextField(blank=True, default='', editable=False),
+            field=models.TextField(blank=True, db_default='', default='', editable=False),
         ),
     ]

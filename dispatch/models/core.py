@@ -349,7 +349,7 @@ class JobBinding(models.Model):
     # The key of the source's `columns.hash` (HMAC-SHA256), encrypted with the site's keys
     # (`crypto.encrypt_binding_secret`); empty: none. Written from the binding form, never
     # shown; the worker reads it after its claim, under its lease token.
-    hash_key_ciphertext = models.TextField(blank=True, default="", editable=False)
+    hash_key_ciphertext = models.TextField(blank=True, default="", db_default="", editable=False)
 
     objects = JobBindingQuerySet.as_manager()
 

@@ -449,3 +449,116 @@ def test_hash__a_read_without_its_key_fails_naming_the_option(
             PG, src.config, {"table": "source", "columns": {"hash": ["c_text"]}},
             PG, dst.config, {"table": "created", "create": True},
         )  # fmt: skip
+
+
+# --- the binding's hash key, end to end through the runner ---------------------------------
+def _hash_binding(src: ScratchDB, dst: ScratchDB) -> Any:
+    from tests.support.factories import BindingFactory, DatasourceFactory, JobFactory
+
+    job = JobFactory(
+        source_spec={"table": "people", "columns": {"hash": ["email"]}},
+        sink_spec={"table": "people", "create": True, "mode": "replace"},
+    )
+    return BindingFactory(
+        job=job,
+        source=DatasourceFactory(kind="postgresql", config=src.config),
+        sink=DatasourceFactory(kind="postgresql", config=dst.config),
+    )
+
+
+def _execute(binding: Any) -> tuple[str | None, Any]:
+    from dispatch.models import Attempt
+    from dispatch.worker import claims
+    from dispatch.worker.runner import ExecutionControl, Runner
+    from tests.support.factories import trigger
+
+    run = trigger(binding)
+    (claimed,) = claims.claim("w-columns", run_id=run.id, limit=1, generic=False)
+    status = Runner(claimed, ExecutionControl(claimed)).execute()
+    return status, Attempt.objects.get(pk=claimed.attempt_id)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_hash__the_runner_reads_the_bindings_key_and_never_shows_it(
+    src_db: ScratchDB, dst_db: ScratchDB
+) -> None:
+    import hashlib
+    import hmac
+
+    from dispatch.states import Reason, Status
+
+    src_db.execute("CREATE TABLE people (id integer PRIMARY KEY, email text)")
+    src_db.execute("INSERT INTO people VALUES (1, 'ann@example.org'), (2, NULL)")
+    binding = _hash_binding(src_db, dst_db)
+    # No key: the run fails for good, saying what is missing.
+    status, attempt = _execute(binding)
+    assert status == Status.FAILED
+    assert attempt.reason == Reason.PERMANENT_ERROR
+    assert "columns.hash needs the binding's hash key" in attempt.error
+    assert dst_db.execute("SELECT to_regclass('public.people')") == [(None,)]
+    key = "a key of the binding, long enough"
+    binding.set_hash_key(key)
+    binding.save()
+    assert key not in binding.hash_key_ciphertext
+    status, attempt = _execute(binding)
+    assert status == Status.SUCCEEDED, attempt.error
+    expected = hmac.new(key.encode(), b"ann@example.org", hashlib.sha256).hexdigest()
+    assert dst_db.execute("SELECT id, email FROM people ORDER BY id") == [(1, expected), (2, None)]
+    for snapshot in (attempt.source_redacted, attempt.sink_redacted):
+        assert key not in str(snapshot)
+
+
+def test_hash_key__a_ciphertext_opens_only_on_its_binding() -> None:
+    import uuid
+
+    from dispatch.security import crypto
+
+    one, other = uuid.uuid4(), uuid.uuid4()
+    token = crypto.encrypt_binding_secret(one, "hash_key", "sixteen chars at least")
+    assert crypto.decrypt_binding_secret(token, expected_id=one, name="hash_key") == (
+        "sixteen chars at least"
+    )
+    with pytest.raises(crypto.SnapshotUnreadable, match="belongs to another binding"):
+        crypto.decrypt_binding_secret(token, expected_id=other, name="hash_key")
+
+
+@pytest.mark.django_db
+def test_binding_form__the_hash_key_is_write_only_kept_when_blank_and_checked() -> None:
+    from dispatch.console.forms import BindingForm
+    from dispatch.security import crypto
+    from tests.support.factories import BindingFactory
+
+    binding = BindingFactory()
+    base = {
+        "name": binding.name,
+        "job": binding.job_id,
+        "source": binding.source_id,
+        "sink": binding.sink_id,
+        "enabled": "on",
+        "max_concurrency": 1,
+    }
+    short = BindingForm({**base, "hash_key": "short"}, instance=binding)
+    assert not short.is_valid()
+    assert "at least 16 characters" in str(short.errors["hash_key"])
+    form = BindingForm({**base, "hash_key": "a good long hash key"}, instance=binding)
+    assert form.is_valid(), form.errors
+    form.save()
+    binding.refresh_from_db()
+    opened = crypto.decrypt_binding_secret(
+        binding.hash_key_ciphertext, expected_id=binding.id, name="hash_key"
+    )
+    assert opened == "a good long hash key"
+    # Never shown back: the form renders no value, and a blank submission keeps the key.
+    again = BindingForm(instance=binding)
+    assert "a good long hash key" not in str(again["hash_key"])
+    assert "one is stored" in str(again["hash_key"].label)
+    kept = BindingForm(base, instance=binding)
+    assert kept.is_valid(), kept.errors
+    kept.save()
+    binding.refresh_from_db()
+    assert binding.hash_key_ciphertext
+    cleared = BindingForm({**base, "clear_hash_key": "on"}, instance=binding)
+    assert cleared.is_valid(), cleared.errors
+    cleared.save()
+    binding.refresh_from_db()
+    assert binding.hash_key_ciphertext == ""
