@@ -23,6 +23,7 @@ from dispatch.connectors.base import (
     Column,
     ConfigField,
     Connector,
+    PermanentError,
     SpecField,
     TransferContext,
     check_unknown,
@@ -46,7 +47,7 @@ from dispatch.connectors.postgresql.connect import (
     policy_errors,
 )
 from dispatch.connectors.postgresql.reader import _Reader, _strip_query
-from dispatch.connectors.postgresql.writer import SINK_MODES, _Writer
+from dispatch.connectors.postgresql.writer import SINK_KEY_SQL, SINK_MODES, _Writer
 
 __all__ = [
     "PostgreSQLConnector",
@@ -314,6 +315,57 @@ class PostgreSQLConnector(Connector):
             return reader.index_needed
         finally:
             reader.close()
+
+    @classmethod
+    def columns_problem(cls, config: dict[str, Any], spec: dict[str, Any]) -> str | None:
+        """For a table source with `columns`: what the table lacks of it, or None. Opens
+        the reader as a run does (its open checks the names against the table);
+        connecting may fail (a ConnectorError)."""
+        if columns.parse(spec) is None:
+            return None
+        reader = _Reader(config, spec, None)
+        try:
+            reader.open()
+        except PermanentError as exc:
+            if str(exc).startswith("columns"):
+                return str(exc)
+            raise
+        finally:
+            reader.close()
+        return None
+
+    @classmethod
+    def sink_key_problem(cls, config: dict[str, Any], spec: dict[str, Any]) -> str | None:
+        """For an upsert: None when the sink table enforces `key` (or is missing and
+        `create` will make it with key as its primary key), else what is wrong.
+        Connecting may fail (a ConnectorError)."""
+        if spec.get("mode") != "upsert" or not spec.get("key"):
+            return None
+        conn = connect(config, what="sink connect")
+        try:
+            with _errors(_secrets(config), "sink"):
+                _set_timeouts(conn, spec)
+                schema, name = parse_table(spec["table"])
+                if not schema:
+                    row = conn.execute("SELECT pg_catalog.current_schema()").fetchone()
+                    schema = row[0] if row else "public"
+                exists = conn.execute(
+                    "SELECT pg_catalog.to_regclass(%s) IS NOT NULL",
+                    [str(sql.Identifier(schema, name).as_string(conn))],
+                ).fetchone()
+                if not (exists and exists[0]):
+                    if spec.get("create"):
+                        return None
+                    return f"sink table {schema}.{name} does not exist (set create: true)"
+                row = conn.execute(SINK_KEY_SQL, [schema, name, list(spec["key"])]).fetchone()
+                if row is None or not row[0]:
+                    return (
+                        f"upsert: {schema}.{name} has no unique index or constraint on "
+                        f"({', '.join(spec['key'])}); every run will fail until it has one"
+                    )
+                return None
+        finally:
+            conn.close()
 
     @classmethod
     @contextlib.contextmanager
