@@ -57,6 +57,14 @@ class Column:
     name: str
     # The PostgreSQL type, exactly (e.g. "numeric(12,2)"), or "" when the source has none.
     type: str = ""
+    # What a table source declares of it, for a sink that creates its table like the
+    # source's (a query's or a file's columns declare nothing): NOT NULL; its place in the
+    # primary key (1-based, 0: not in it); and (number, place) in each unique constraint
+    # it belongs to. A key or constraint is described only when every one of its columns
+    # is delivered.
+    not_null: bool = False
+    key: int = 0
+    unique: tuple[tuple[int, int], ...] = ()
 
 
 class Fence(Protocol):
@@ -159,6 +167,13 @@ def copy_format(reader: Any, writer: Any) -> str | None:
             return None
         return str(source[0])
     fmt = writer.copy_format(reader.columns)
+    # A reader may hand out only some formats (keyed hashes: text); a sink that asked for
+    # binary reads text as well, any other then gets decoded rows.
+    only = getattr(reader, "copy_formats", None)
+    if only is not None and fmt not in only:
+        fmt = "text" if fmt == "binary" and "text" in only else None
+        if fmt is not None and hasattr(writer, "use_copy_format"):
+            writer.use_copy_format(fmt)
     return fmt if fmt in ("binary", "text", "csv") else None
 
 

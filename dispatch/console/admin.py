@@ -63,7 +63,7 @@ from dispatch.console.badges import (
     reason_badge,
     status_badge,
 )
-from dispatch.console.forms import DatasourceForm, JobForm, config_field_names
+from dispatch.console.forms import BindingForm, DatasourceForm, JobForm, config_field_names
 from dispatch.console.managed import ManagedByFilesAdmin
 from dispatch.console.overview import overview_view
 from dispatch.console.paging import CappedPaginator
@@ -255,6 +255,43 @@ def cursor_index_notice(binding: JobBinding) -> str | None:
         f"{spec['table']} has no index on the incremental cursor: each run sorts its whole "
         f"increment before the first row moves. Create one on the source: {needed}"
     )
+
+
+def binding_checks_notices(binding: JobBinding) -> list[str]:
+    """After a binding is saved: the source table's lack of a column the spec's `columns`
+    names, and an upsert key the sink does not enforce, each as a warning; or that a
+    check could not be made (a datasource did not answer: the save stands, and every run
+    checks again)."""
+    notices = []
+    for role, check_name, spec in (
+        ("source", "columns_problem", binding.job.source_spec),
+        ("sink", "sink_key_problem", binding.job.sink_spec),
+    ):
+        datasource = binding.source if role == "source" else binding.sink
+        try:
+            connector = datasource.connector()
+        except LookupError:
+            continue
+        check = getattr(connector, check_name, None)
+        if check is None or not isinstance(spec, dict):
+            continue
+        try:
+            config = datasource.config
+        except crypto.SnapshotUnreadable:
+            notices.append(f"The {role} was not checked: its settings cannot be decrypted.")
+            continue
+        try:
+            problem = check(config, spec)
+        except ConnectorError as exc:
+            detail = scrub(str(exc), config, connector.secret_fields())
+            notices.append(
+                f"The {role} was not checked ({detail}); the binding is saved, and each run "
+                "checks it again."
+            )
+            continue
+        if problem is not None:
+            notices.append(f"The {role}: {problem}")
+    return notices
 
 
 RESET_CURSOR = ActionSpec(
@@ -771,6 +808,7 @@ class JobAdmin(ManagedByFilesAdmin, querypermission.QueryPermissionAdmin, Consol
 
 @admin.register(JobBinding)
 class JobBindingAdmin(ManagedByFilesAdmin, querypermission.QueryPermissionAdmin, ConsoleAdmin):
+    form = BindingForm
     form_wrapper = staticmethod(querypermission.binding_form)
     guard = staticmethod(querypermission.guard_binding_save)
 
@@ -779,6 +817,8 @@ class JobBindingAdmin(ManagedByFilesAdmin, querypermission.QueryPermissionAdmin,
         # After the save: a source that does not answer never blocks it.
         notice = cursor_index_notice(obj)
         if notice is not None:
+            self.message_user(request, notice, level=messages.WARNING)
+        for notice in binding_checks_notices(obj):
             self.message_user(request, notice, level=messages.WARNING)
 
     list_display = [

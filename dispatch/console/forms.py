@@ -23,7 +23,8 @@ from django.utils.safestring import SafeString
 
 from dispatch.connectors import registry
 from dispatch.connectors.base import ConfigField, Connector
-from dispatch.models import SECRET_MASK, Datasource, Job
+from dispatch.models import SECRET_MASK, Datasource, Job, JobBinding
+from dispatch.models.core import HASH_KEY_MIN_CHARS
 from dispatch.security import crypto, jsondepth
 
 PREFIX = "config__"
@@ -397,3 +398,50 @@ class JobForm(forms.ModelForm):  # type: ignore[type-arg]
             field = self.fields.get(f"{role}_spec")
             if field is not None:
                 field.help_text = spec_help(role, kinds)
+
+
+class BindingForm(forms.ModelForm):  # type: ignore[type-arg]
+    """A binding, with its hash key: write-only (never shown back, not even masked),
+    blank keeps the stored one, `clear_hash_key` forgets it."""
+
+    hash_key = forms.CharField(
+        required=False,
+        strip=False,
+        widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "new-password"}),
+        help_text=(
+            "The key of the source's columns.hash (HMAC-SHA256), at least "
+            f"{HASH_KEY_MIN_CHARS} characters. Stored encrypted, never shown; blank keeps "
+            "the stored key. The same key gives the same pseudonyms in every run and every "
+            "binding that uses it; another key gives others."
+        ),
+    )
+    clear_hash_key = forms.BooleanField(required=False, label="Forget the hash key")
+
+    class Meta:
+        model = JobBinding
+        fields = ["name", "job", "source", "sink", "enabled", "max_concurrency"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        stored = bool(self.instance.hash_key_ciphertext)
+        self.fields["hash_key"].label = "Hash key (one is stored)" if stored else "Hash key"
+
+    def clean(self) -> dict[str, Any]:
+        data: dict[str, Any] = super().clean() or {}
+        key = data.get("hash_key") or ""
+        if data.get("clear_hash_key") and key:
+            self.add_error("clear_hash_key", "give a new hash key or forget it, not both")
+        elif key and len(key) < HASH_KEY_MIN_CHARS:
+            self.add_error("hash_key", f"must be at least {HASH_KEY_MIN_CHARS} characters")
+        return data
+
+    def save(self, commit: bool = True) -> JobBinding:
+        binding: JobBinding = super().save(commit=False)
+        if self.cleaned_data.get("clear_hash_key"):
+            binding.set_hash_key(None)
+        elif self.cleaned_data.get("hash_key"):
+            binding.set_hash_key(self.cleaned_data["hash_key"])
+        if commit:
+            binding.save()
+            self.save_m2m()
+        return binding

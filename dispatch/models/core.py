@@ -326,6 +326,10 @@ class JobBindingQuerySet(models.QuerySet["JobBinding"]):
         return self.filter(enabled=True)
 
 
+# The shortest hash key a binding takes (`JobBinding.set_hash_key`).
+HASH_KEY_MIN_CHARS = 16
+
+
 class JobBinding(models.Model):
     """A job attached to one source and one sink datasource."""
 
@@ -342,6 +346,10 @@ class JobBinding(models.Model):
     )
     created_at = models.DateTimeField(db_default=Now(), editable=False)
     managed_by = managed_by_field()
+    # The key of the source's `columns.hash` (HMAC-SHA256), encrypted with the site's keys
+    # (`crypto.encrypt_binding_secret`); empty: none. Written from the binding form, never
+    # shown; the worker reads it after its claim, under its lease token.
+    hash_key_ciphertext = models.TextField(blank=True, default="", db_default="", editable=False)
 
     objects = JobBindingQuerySet.as_manager()
 
@@ -366,6 +374,23 @@ class JobBinding(models.Model):
     def clean(self) -> None:
         if self.job_id and self.source_id and self.sink_id:
             self.validate_specs()
+
+    def set_hash_key(self, key: str | None) -> None:
+        """Store (encrypted) the key of `columns.hash`, or forget it (None); saved with
+        the binding. At least HASH_KEY_MIN_CHARS characters: a short key makes the
+        pseudonyms of a known set of values (emails, names) easy to recompute."""
+        from dispatch.security import crypto
+
+        if key is None:
+            self.hash_key_ciphertext = ""
+            return
+        if len(key) < HASH_KEY_MIN_CHARS:
+            raise ValidationError({"hash_key": f"must be at least {HASH_KEY_MIN_CHARS} characters"})
+        self.hash_key_ciphertext = crypto.encrypt_binding_secret(self.id, "hash_key", key)
+
+    @property
+    def has_hash_key(self) -> bool:
+        return bool(self.hash_key_ciphertext)
 
     def validate_specs(self, job: Job | None = None) -> None:
         """Validate the job's specs against this binding's connector kinds (the same

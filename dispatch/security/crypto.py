@@ -82,6 +82,35 @@ def decrypt_config(
     return config
 
 
+def encrypt_binding_secret(binding_id: uuid.UUID, name: str, value: str) -> str:
+    """A binding's secret (its hash key), in an envelope that names the binding and the
+    secret, so a ciphertext copied onto another binding or field does not open there."""
+    envelope = {"v": ENVELOPE_VERSION, "binding_id": str(binding_id), name: value}
+    plaintext = json.dumps(envelope, separators=(",", ":"), sort_keys=True).encode()
+    return fernet().encrypt(plaintext).decode("ascii")
+
+
+def decrypt_binding_secret(token: str, *, expected_id: uuid.UUID, name: str) -> str:
+    """The secret `encrypt_binding_secret` stored; the errors name what failed, never the
+    plaintext."""
+    try:
+        plaintext = fernet().decrypt(token.encode("ascii"))
+    except (InvalidToken, ValueError, TypeError, UnicodeError):
+        raise KeyUnavailable("ciphertext cannot be decrypted with any configured key") from None
+    try:
+        envelope = json.loads(plaintext)
+    except ValueError:
+        raise SnapshotUnreadable("decrypted envelope is not JSON") from None
+    if not isinstance(envelope, dict) or envelope.get("v") != ENVELOPE_VERSION:
+        raise SnapshotUnreadable("decrypted envelope has an unknown format")
+    if envelope.get("binding_id") != str(expected_id):
+        raise SnapshotUnreadable(f"ciphertext belongs to another binding (expected {expected_id})")
+    value = envelope.get(name)
+    if not isinstance(value, str):
+        raise SnapshotUnreadable(f"decrypted envelope holds no {name}")
+    return value
+
+
 def rotate(token: str) -> str:
     """Re-encrypt a ciphertext under the newest key (plaintext unchanged)."""
     return fernet().rotate(token.encode("ascii")).decode("ascii")

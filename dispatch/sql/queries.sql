@@ -168,3 +168,13 @@ SELECT s.parent_id, s.number, s.lower, s.upper, p.total, p.key, p.key_type,
   FROM dispatch_slice s
   JOIN dispatch_sliceplan p ON p.run_id = s.parent_id
  WHERE s.run_id = %(run)s;
+
+-- name: binding_hash_key
+-- The hash key of a claimed attempt's binding (its `columns.hash`), read after the claim
+-- and only while the attempt is still this worker's (status and token). The ciphertext
+-- goes back to the worker alone; it is never part of the attempt's snapshot or row.
+SELECT b.hash_key_ciphertext, b.id
+  FROM dispatch_attempt a
+  JOIN dispatch_run r ON r.id = a.run_id
+  JOIN dispatch_jobbinding b ON b.id = r.binding_id
+ WHERE a.id = %(attempt)s AND a.lease_token = %(token)s AND a.status = 'RUNNING';

@@ -202,6 +202,16 @@ def record_receipt(attempt_id: uuid.UUID, token: int, rows: int, digest: str | N
 
 
 @_bounded
+def binding_hash_key(attempt_id: uuid.UUID, token: int) -> tuple[str, uuid.UUID] | None:
+    """The encrypted hash key of a claimed attempt's binding and the binding's id, read
+    only while the attempt is still ours (status + token); None: it is not."""
+    with connection.cursor() as cursor:
+        cursor.execute(query("binding_hash_key"), {"attempt": attempt_id, "token": token})
+        row = cursor.fetchone()
+    return None if row is None else (str(row[0]), row[1])
+
+
+@_bounded
 def _outcome(
     attempt_id: uuid.UUID,
     token: int,

@@ -22,6 +22,7 @@ from django.db import Error as DjangoDBError
 from django.db import connection
 
 from dispatch import deadline, services, signals
+from dispatch.connectors import columns as column_spec
 from dispatch.connectors import incremental, registry
 from dispatch.connectors.base import (
     SLICE_OF,
@@ -207,6 +208,8 @@ class Context:
     def __init__(self, control: ExecutionControl) -> None:
         self.control = control
         self.fence = AttemptFence(control)
+        # The binding's key for a source's `columns.hash` (read after the claim), or None.
+        self.hash_key: bytes | None = None
 
     def progress(self, *, rows_read: int = 0, rows_written: int = 0) -> None:
         self.control.rows_read += rows_read
@@ -551,19 +554,7 @@ class Runner:
                 c.sink_snapshot, expected_id=c.sink_id, expected_version=c.sink_version
             )
         except crypto.KeyUnavailable:
-            # This worker's keys are wrong: the run is not at fault. Hand the attempt back
-            # (a release consumes no retry budget) and tell the coordinator to stop.
-            self.on_event("keys_unusable")
-            self._log(
-                "no configured key opens the snapshot; releasing the attempt and stopping "
-                "(check DISPATCH_ENCRYPTION_KEYS)",
-                level=logging.ERROR,
-            )
-            return self.settle(
-                "RELEASE",
-                Reason.SHUTDOWN_RELEASED,
-                "released: the worker's keys (DISPATCH_ENCRYPTION_KEYS) open no snapshot",
-            )
+            return self._keys_unusable()
         except crypto.SnapshotUnreadable as exc:
             return self.settle(
                 "PERMANENT", Reason.SNAPSHOT_UNREADABLE, f"snapshot unreadable: {exc}"
@@ -610,6 +601,10 @@ class Runner:
                 SLICE_OF: {"parent": str(sl.parent_id), "number": sl.number, "total": sl.total},
             }
         ctx = Context(self.control)
+        if column_spec.hashes(source_spec):
+            refused = self._load_hash_key(ctx)
+            if refused is not None:
+                return refused
         try:
             with contextlib.ExitStack() as stack:
                 reader, writer = _open_both(
@@ -676,6 +671,53 @@ class Runner:
         return self.settle(
             "SUCCEEDED", Reason.ALREADY_COMMITTED if result.already_committed else None
         )
+
+    def _keys_unusable(self) -> str | None:
+        """This worker's keys are wrong: the run is not at fault. Hand the attempt back (a
+        release consumes no retry budget) and tell the coordinator to stop."""
+        self.on_event("keys_unusable")
+        self._log(
+            "no configured key opens the snapshot; releasing the attempt and stopping "
+            "(check DISPATCH_ENCRYPTION_KEYS)",
+            level=logging.ERROR,
+        )
+        return self.settle(
+            "RELEASE",
+            Reason.SHUTDOWN_RELEASED,
+            "released: the worker's keys (DISPATCH_ENCRYPTION_KEYS) open no snapshot",
+        )
+
+    def _load_hash_key(self, ctx: Context) -> str | None:
+        """The binding's hash key for `columns.hash`, onto `ctx`, read while the attempt is
+        still ours; the settlement when it cannot be (None: loaded). The key joins the
+        secrets every error text is cleaned of."""
+        c = self.claimed
+        try:
+            found = claims.binding_hash_key(c.attempt_id, c.lease_token)
+        except DB_ERRORS as exc:
+            return self.settle(
+                "ERROR", Reason.ERROR, f"the binding's hash key could not be read: {db_error(exc)}"
+            )
+        if found is None:
+            return self._stopped(LeaseLost("the attempt is no longer this worker's"))
+        ciphertext, binding_id = found
+        if not ciphertext:
+            return self.settle(
+                "PERMANENT",
+                Reason.PERMANENT_ERROR,
+                "columns.hash needs the binding's hash key: set one on the binding",
+            )
+        try:
+            key = crypto.decrypt_binding_secret(ciphertext, expected_id=binding_id, name="hash_key")
+        except crypto.KeyUnavailable:
+            return self._keys_unusable()
+        except crypto.SnapshotUnreadable as exc:
+            return self.settle(
+                "PERMANENT", Reason.SNAPSHOT_UNREADABLE, f"the binding's hash key: {exc}"
+            )
+        self.secrets.append(key)
+        ctx.hash_key = key.encode("utf-8")
+        return None
 
     def _plan(
         self,

@@ -35,6 +35,10 @@ def test_rotate_keys__while_workers_run_then_new_key_alone(processes: Processes)
         job=JobFactory(source_spec={"rows": 30, "batch": 1, "delay_ms": 100}),
         max_concurrency=2,
     )
+    # A binding's hash key is a ciphertext under the site's keys too.
+    binding.set_hash_key("a pseudonymisation key")
+    binding.save(update_fields=["hash_key_ciphertext"])
+    assert decrypts_with(old, binding.hash_key_ciphertext)
     both = worker_env(DISPATCH_ENCRYPTION_KEYS=f"{new},{old}")
     first = processes.worker("--concurrency", "2", "--worker-id", "rotation-1", env=both)
     runs = [trigger(binding) for _ in range(2)]
@@ -55,12 +59,15 @@ def test_rotate_keys__while_workers_run_then_new_key_alone(processes: Processes)
     rotate = processes.manage("rotate_keys", env=both)
     assert rotate.wait(60) == 0, processes.output(rotate)
     output = processes.output(rotate)
-    assert "re-encrypted 2 datasource config(s) and " in output
+    assert "re-encrypted 2 datasource config(s), 1 binding hash key(s) and " in output
     assert old not in output and new not in output
 
     for ciphertext in Datasource.objects.values_list("config_ciphertext", flat=True):
         assert decrypts_with(new, ciphertext)
         assert not decrypts_with(old, ciphertext)
+    binding.refresh_from_db()
+    assert decrypts_with(new, binding.hash_key_ciphertext)
+    assert not decrypts_with(old, binding.hash_key_ciphertext)
     for snapshot in Attempt.objects.filter(source_snapshot__isnull=False).values_list(
         "source_snapshot", flat=True
     ):

@@ -129,6 +129,8 @@ class Ctx:
     stop: bool = False
     interrupts: list[Callable[[], None]] = field(default_factory=list)
     estimates: list[int] = field(default_factory=list)
+    # The binding's key for a source's `columns.hash` (the runner's context carries it).
+    hash_key: bytes | None = None
 
     def progress(self, *, rows_read: int = 0, rows_written: int = 0) -> None:
         self.rows_read += rows_read

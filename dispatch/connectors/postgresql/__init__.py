@@ -18,11 +18,12 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from dispatch.conf import SSLMODES
-from dispatch.connectors import incremental
+from dispatch.connectors import columns, incremental
 from dispatch.connectors.base import (
     Column,
     ConfigField,
     Connector,
+    PermanentError,
     SpecField,
     TransferContext,
     check_unknown,
@@ -46,7 +47,7 @@ from dispatch.connectors.postgresql.connect import (
     policy_errors,
 )
 from dispatch.connectors.postgresql.reader import _Reader, _strip_query
-from dispatch.connectors.postgresql.writer import SINK_MODES, _Writer
+from dispatch.connectors.postgresql.writer import SINK_KEY_SQL, SINK_MODES, _Writer
 
 __all__ = [
     "PostgreSQLConnector",
@@ -108,6 +109,12 @@ class PostgreSQLConnector(Connector):
             + " (cursor required: a list of columns)",
         ),
         SpecField(
+            "columns",
+            "table sources: {select: [...]} or {exclude: [...]}, rename: {source: sink}, "
+            "hash: [...] (a keyed HMAC-SHA256 of the value's text, hex, delivered as text; "
+            "the key is the binding's hash key); names only, checked against the table",
+        ),
+        SpecField(
             "slices",
             "split each run into slices copied in parallel: {key: column, count: N} or "
             "{key: column, rows_per_slice: M}, on an integer, timestamp or uuid column "
@@ -125,8 +132,22 @@ class PostgreSQLConnector(Connector):
     sink_fields = (
         SpecField("table", "name or schema.name to write (required)"),
         SpecField("mode", f"{', '.join(SINK_MODES)} (default {SINK_MODES[0]})"),
-        SpecField("key", "the key columns of upsert, a list"),
-        SpecField("create", "true: create a missing table with the source's columns"),
+        SpecField(
+            "key",
+            "the key columns of upsert, a list (the sink must enforce it: a unique index or "
+            "constraint on exactly them); with create, the created table's primary key "
+            "(instead of the source's)",
+        ),
+        SpecField(
+            "create",
+            "true: create a missing table like the source's: columns with their exact "
+            "types, NOT NULLs and (except in append) primary key",
+        ),
+        SpecField(
+            "create_unique",
+            "with create, true: the created table also gets the source table's unique "
+            "constraints (those whose every column is delivered)",
+        ),
         SpecField(
             "truncate",
             "replace only, true: TRUNCATE instead of DELETE (faster; readers wait for the "
@@ -222,6 +243,7 @@ class PostgreSQLConnector(Connector):
                 raise ValidationError("query: must be one statement (no ';')")
         incremental.validate(spec)
         slices.validate(spec)
+        columns.validate(spec)
         _timeouts(spec)
         return spec
 
@@ -244,9 +266,25 @@ class PostgreSQLConnector(Connector):
             ):
                 raise ValidationError("key: upsert needs a non-empty list of column names")
         elif key is not None:
-            raise ValidationError("key: only used with mode upsert")
+            if not spec.get("create"):
+                raise ValidationError(
+                    "key: only used with mode upsert, or with create (the created table's "
+                    "primary key)"
+                )
+            if (
+                not isinstance(key, list)
+                or not key
+                or not all(isinstance(k, str) and k for k in key)
+            ):
+                raise ValidationError("key: must be a non-empty list of column names")
+        if isinstance(key, list) and len(set(key)) != len(key):
+            raise ValidationError("key: a column is named more than once")
         if not isinstance(spec.get("create", False), bool):
             raise ValidationError("create: must be true or false")
+        if not isinstance(spec.get("create_unique", False), bool):
+            raise ValidationError("create_unique: must be true or false")
+        if spec.get("create_unique") and not spec.get("create"):
+            raise ValidationError("create_unique: only used with create")
         if not isinstance(spec.get("truncate", False), bool):
             raise ValidationError("truncate: must be true or false")
         if spec.get("truncate") and mode != "replace":
@@ -277,6 +315,57 @@ class PostgreSQLConnector(Connector):
             return reader.index_needed
         finally:
             reader.close()
+
+    @classmethod
+    def columns_problem(cls, config: dict[str, Any], spec: dict[str, Any]) -> str | None:
+        """For a table source with `columns`: what the table lacks of it, or None. Opens
+        the reader as a run does (its open checks the names against the table);
+        connecting may fail (a ConnectorError)."""
+        if columns.parse(spec) is None:
+            return None
+        reader = _Reader(config, spec, None)
+        try:
+            reader.open()
+        except PermanentError as exc:
+            if str(exc).startswith("columns"):
+                return str(exc)
+            raise
+        finally:
+            reader.close()
+        return None
+
+    @classmethod
+    def sink_key_problem(cls, config: dict[str, Any], spec: dict[str, Any]) -> str | None:
+        """For an upsert: None when the sink table enforces `key` (or is missing and
+        `create` will make it with key as its primary key), else what is wrong.
+        Connecting may fail (a ConnectorError)."""
+        if spec.get("mode") != "upsert" or not spec.get("key"):
+            return None
+        conn = connect(config, what="sink connect")
+        try:
+            with _errors(_secrets(config), "sink"):
+                _set_timeouts(conn, spec)
+                schema, name = parse_table(spec["table"])
+                if not schema:
+                    row = conn.execute("SELECT pg_catalog.current_schema()").fetchone()
+                    schema = row[0] if row else "public"
+                exists = conn.execute(
+                    "SELECT pg_catalog.to_regclass(%s) IS NOT NULL",
+                    [str(sql.Identifier(schema, name).as_string(conn))],
+                ).fetchone()
+                if not (exists and exists[0]):
+                    if spec.get("create"):
+                        return None
+                    return f"sink table {schema}.{name} does not exist (set create: true)"
+                row = conn.execute(SINK_KEY_SQL, [schema, name, list(spec["key"])]).fetchone()
+                if row is None or not row[0]:
+                    return (
+                        f"upsert: {schema}.{name} has no unique index or constraint on "
+                        f"({', '.join(spec['key'])}); every run will fail until it has one"
+                    )
+                return None
+        finally:
+            conn.close()
 
     @classmethod
     @contextlib.contextmanager

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import re
 import select
 from collections.abc import Iterator
 from typing import Any
@@ -11,6 +14,7 @@ from typing import Any
 import psycopg
 from psycopg import pq, sql
 
+from dispatch.connectors import columns as column_spec
 from dispatch.connectors import incremental, sqlsafety
 from dispatch.connectors.base import SLICE_RANGE, Batch, Column, PermanentError, TransferContext
 from dispatch.connectors.postgresql import slices
@@ -83,6 +87,17 @@ class _Reader:
         # creates one (logged as a warning when the reader opens).
         self.index_needed: str | None = None
         self.bounds: incremental.Bounds | None = None
+        # A table source's `columns` (dispatch/connectors/columns.py): the read delivers
+        # these, projected in SQL around whatever it copies. Cursor and slice keys stay
+        # the table's own columns, delivered or not.
+        self.column_spec = column_spec.parse(spec)
+        self.projected: list[column_spec.Projected] | None = None
+        # `columns.hash`: the binding's key (the runner's context carries it) and the
+        # delivered columns it applies to. The hash is computed here, in the worker: the
+        # key is never sent to a server (COPY takes no parameters, and statements and
+        # their parameters may be logged).
+        self._hash_key: bytes | None = getattr(ctx, "hash_key", None)
+        self._hashed: list[int] = []
 
     def _relation(self) -> sql.Composable:
         if self.spec.get("table"):
@@ -126,32 +141,52 @@ class _Reader:
             # catalog says: numeric(12,2), character varying(20), posint, integer[] ...
             tables = [result.ftable(i) for i in range(result.nfields)]
             attnums = [result.ftablecol(i) for i in range(result.nfields)]
-            types = [
-                row[0]
-                for row in self.conn.execute(
-                    "SELECT coalesce(pg_catalog.format_type(a.atttypid, a.atttypmod),"
-                    "                pg_catalog.format_type(t.oid, t.mod))"
-                    # ROWS FROM: the multi-argument unnest() shorthand takes no schema.
-                    "  FROM ROWS FROM (pg_catalog.unnest(%s::pg_catalog.oid[]),"
-                    "                  pg_catalog.unnest(%s::pg_catalog.int4[]),"
-                    "                  pg_catalog.unnest(%s::pg_catalog.oid[]),"
-                    "                  pg_catalog.unnest(%s::pg_catalog.int4[]))"
-                    "       WITH ORDINALITY AS t(oid, mod, rel, att, n)"
-                    "  LEFT JOIN pg_catalog.pg_attribute a"
-                    "    ON t.rel OPERATOR(pg_catalog.<>) 0"
-                    "   AND a.attrelid OPERATOR(pg_catalog.=) t.rel"
-                    "   AND a.attnum OPERATOR(pg_catalog.=) t.att"
-                    "   AND NOT a.attisdropped"
-                    " ORDER BY t.n",
-                    [self.oids, mods, tables, attnums],
-                )
-            ]
-            self.columns = [Column(n, t) for n, t in zip(names, types, strict=True)]
+            described = self.conn.execute(
+                "SELECT coalesce(pg_catalog.format_type(a.atttypid, a.atttypmod),"
+                "                pg_catalog.format_type(t.oid, t.mod)),"
+                "       coalesce(a.attnotnull, false)"
+                # ROWS FROM: the multi-argument unnest() shorthand takes no schema.
+                "  FROM ROWS FROM (pg_catalog.unnest(%s::pg_catalog.oid[]),"
+                "                  pg_catalog.unnest(%s::pg_catalog.int4[]),"
+                "                  pg_catalog.unnest(%s::pg_catalog.oid[]),"
+                "                  pg_catalog.unnest(%s::pg_catalog.int4[]))"
+                "       WITH ORDINALITY AS t(oid, mod, rel, att, n)"
+                "  LEFT JOIN pg_catalog.pg_attribute a"
+                "    ON t.rel OPERATOR(pg_catalog.<>) 0"
+                "   AND a.attrelid OPERATOR(pg_catalog.=) t.rel"
+                "   AND a.attnum OPERATOR(pg_catalog.=) t.att"
+                "   AND NOT a.attisdropped"
+                " ORDER BY t.n",
+                [self.oids, mods, tables, attnums],
+            ).fetchall()
+            types = [row[0] for row in described]
+            table_columns = [Column(n, t) for n, t in zip(names, types, strict=True)]
+            self.columns = table_columns
             if self.incremental is not None:
                 self._plan = incremental.CursorReadPlan(
-                    self.incremental, self._relation(), self.columns
+                    self.incremental, self._relation(), table_columns
                 )
                 self._check_cursor_index(names, tables, attnums)
+            if self.column_spec is not None:
+                # Checked again here, against the snapshot the rows come from: a column
+                # dropped or renamed since the spec was saved fails the run for good.
+                self.projected = column_spec.project(self.column_spec, names)
+                self.columns = column_spec.sink_columns(self.projected, table_columns)
+                self.oids = [self.oids[names.index(p.source)] for p in self.projected]
+                self._hashed = [i for i, p in enumerate(self.projected) if p.hashed]
+            if self.spec.get("table"):
+                delivered = (
+                    [names.index(p.source) for p in self.projected]
+                    if self.projected is not None
+                    else list(range(len(names)))
+                )
+                self.columns = _declared(
+                    self.conn,
+                    self.columns,
+                    [bool(described[i][1]) for i in delivered],
+                    tables[0] if tables else 0,
+                    [attnums[i] for i in delivered],
+                )
 
     def _check_cursor_index(self, names: list[str], tables: list[int], attnums: list[int]) -> None:
         """An incremental read of a table streams in the cursor's order only from a btree
@@ -194,12 +229,25 @@ class _Reader:
 
     def _read_relation(self) -> sql.Composable:
         """What the read copies: the table or query, or an incremental read's bounded
-        select of it."""
+        select of it; with `columns`, a select list of identifiers around it (the bounded
+        select's ORDER BY makes its subquery a scan of its own, so the order stays)."""
         if self._plan is not None and self.bounds is None:
             raise PermanentError("incremental read started without its cursor bounds")
         if self._plan is not None and self.bounds is not None:
-            return self._plan.select(self.bounds)
-        return self._relation()
+            relation = self._plan.select(self.bounds)
+        else:
+            relation = self._relation()
+        if self.projected is None:
+            return relation
+        return sql.SQL("SELECT {} FROM ({}) AS q").format(
+            sql.SQL(", ").join(
+                sql.SQL("q.{} AS {}").format(sql.Identifier(p.source), sql.Identifier(p.sink))
+                if p.source != p.sink
+                else sql.SQL("q.{}").format(sql.Identifier(p.source))
+                for p in self.projected
+            ),
+            relation,
+        )
 
     def _report_estimate(self) -> None:
         """Tell the context how many rows the read will yield, before the first: the
@@ -246,19 +294,41 @@ class _Reader:
             relation, sql.SQL("BINARY" if fmt == "binary" else "TEXT")
         )
 
+    @property
+    def copy_formats(self) -> tuple[str, ...] | None:
+        """The COPY formats this read can hand out (None: any). Keyed hashes are
+        computed on the text format's values."""
+        return ("text",) if self._hashed else None
+
+    def _key(self) -> bytes:
+        if self._hash_key is None:
+            raise PermanentError("columns.hash: the read was given no hash key")
+        return self._hash_key
+
     def batches(self) -> Iterator[Batch]:
-        """Decoded rows, streamed. Binary when psycopg can load every column in binary."""
+        """Decoded rows, streamed. Binary when psycopg can load every column in binary;
+        text with keyed hashes (a hashed column is loaded as its text form and hashed)."""
         assert self.conn is not None
         self._report_estimate()
-        binary = all(
+        hashed = self._hashed
+        key = self._key() if hashed else b""
+        binary = not hashed and all(
             self.conn.adapters.get_loader(oid, pq.Format.BINARY) is not None for oid in self.oids
         )
+        oids = [TEXT_OID if i in hashed else oid for i, oid in enumerate(self.oids)]
+        keyed_hash = column_spec.keyed_hash
         with _errors(self.secrets, "source read", self._canceller):
             cur = self.conn.cursor()
             with cur.copy(self._copy_sql("binary" if binary else "text")) as copy:
-                copy.set_types(self.oids)
+                copy.set_types(oids)
                 batch: Batch = []
                 for row in copy.rows():
+                    if hashed:
+                        values = list(row)
+                        for i in hashed:
+                            if values[i] is not None:
+                                values[i] = keyed_hash(key, values[i])
+                        row = tuple(values)
                     batch.append(row)
                     if len(batch) >= BATCH_ROWS:
                         with self._canceller.suspended():
@@ -279,6 +349,41 @@ class _Reader:
         header rides with the first row and the trailer is a message of its own, so the
         trailer (and only it) is not counted.
         """
+        assert self.conn is not None
+        if self._hashed:
+            if fmt != "text":
+                raise PermanentError(f"columns.hash: a {fmt} COPY cannot carry keyed hashes")
+            yield from self._hashed_chunks()
+            return
+        yield from self._raw_chunks(fmt, options)
+
+    def _hashed_chunks(self) -> Iterator[tuple[bytes, int]]:
+        """Text COPY blocks with the hashed columns' values replaced by their keyed hash
+        (64 hex digits, which need no escaping; NULL stays NULL). Each block holds whole
+        lines, and a newline inside a value is escaped, so splitting on it is exact."""
+        assert self.conn is not None
+        key = self._key()
+        codec = self.conn.info.encoding
+        recode = codec.replace("_", "-").lower() not in ("utf-8", "utf8")
+        hashed = self._hashed
+        for block, rows in self._raw_chunks("text", None):
+            lines = block.split(b"\n")
+            tail = lines.pop()  # the empty remainder after the last newline
+            out = []
+            for line in lines:
+                fields = line.split(b"\t")
+                for i in hashed:
+                    value = fields[i]
+                    if value != b"\\N":
+                        text = _UNESCAPE.sub(_unescape, value)
+                        if recode:
+                            text = text.decode(codec).encode("utf-8")
+                        fields[i] = hmac.new(key, text, hashlib.sha256).hexdigest().encode()
+                out.append(b"\t".join(fields))
+            out.append(tail)
+            yield b"\n".join(out), rows
+
+    def _raw_chunks(self, fmt: str, options: dict[str, str] | None) -> Iterator[tuple[bytes, int]]:
         assert self.conn is not None
         self._report_estimate()
         conn, pgconn = self.conn, self.conn.pgconn
@@ -330,6 +435,69 @@ class _Reader:
         """Cancel the statement (or COPY) running on the connection, from another thread
         (the runner's, when the sink side of a copy has stopped)."""
         self._canceller.interrupt()
+
+
+# The `text` type's OID: a hashed column is loaded as its text form.
+TEXT_OID = 25
+# Text COPY's escapes (what COPY TO writes for a backslash and the control characters).
+_UNESCAPE = re.compile(rb"\\(.)", re.DOTALL)
+_ESCAPED = {
+    b"\\": b"\\",
+    b"b": b"\b",
+    b"f": b"\f",
+    b"n": b"\n",
+    b"r": b"\r",
+    b"t": b"\t",
+    b"v": b"\v",
+}
+
+
+def _unescape(match: re.Match[bytes]) -> bytes:
+    char = match.group(1)
+    return _ESCAPED.get(char, char)
+
+
+# A table's primary key and plain unique constraints (unique indexes included): valid,
+# without a predicate or an expression; key columns only (not INCLUDE columns).
+_KEYS_SQL = (
+    "SELECT i.indisprimary, pg_catalog.array_agg(k.att ORDER BY k.n)::pg_catalog.int4[]"
+    "  FROM pg_catalog.pg_index i,"
+    "       pg_catalog.unnest(i.indkey::pg_catalog.int2[]) WITH ORDINALITY AS k(att, n)"
+    " WHERE i.indrelid OPERATOR(pg_catalog.=) %s AND i.indisunique AND i.indisvalid"
+    "   AND i.indpred IS NULL AND i.indexprs IS NULL"
+    "   AND k.n OPERATOR(pg_catalog.<=) i.indnkeyatts"
+    " GROUP BY i.indexrelid, i.indisprimary"
+    " ORDER BY i.indisprimary DESC, i.indexrelid"
+)
+
+
+def _declared(
+    conn: psycopg.Connection[Any],
+    columns: list[Column],
+    not_null: list[bool],
+    table: int,
+    attnums: list[int],
+) -> list[Column]:
+    """The delivered columns of a table source with what the table declares of them: NOT
+    NULL, the primary key and the unique constraints whose every column is delivered
+    (`Column`), for a sink that creates its table like the source's."""
+    key: dict[int, int] = {}
+    unique: dict[int, list[tuple[int, int]]] = {}
+    if table:
+        number = 0
+        for primary, atts in conn.execute(_KEYS_SQL, [table]).fetchall():
+            if not all(a in attnums for a in atts):
+                continue  # a column of it is not delivered: it constrains nothing here
+            if primary:
+                key = {a: n for n, a in enumerate(atts, 1)}
+                continue
+            number += 1
+            for n, a in enumerate(atts, 1):
+                unique.setdefault(a, []).append((number, n))
+    return [
+        Column(c.name, c.type, nn, key.get(att, 0), tuple(unique.get(att, ())))
+        for c, nn, att in zip(columns, not_null, attnums, strict=True)
+    ]
 
 
 def _wait(pgconn: Any) -> None:

@@ -252,28 +252,60 @@ class _Writer:
         return {r[0]: (r[1], r[2]) for r in rows if r[0] is not None}
 
     def _create_table(self, table: sql.Composed, key: list[str] | None) -> None:
+        """The sink table like the source's: its columns' names, order and exact types,
+        their NOT NULLs, its primary key unless appending (the spec's `key` instead, in
+        any mode) and, with `create_unique`, its unique constraints (docs/connectors.md)."""
         assert self.conn is not None
         conn = self.conn
+        columns = self.source_columns
         # Type text comes from the source server: accepted only as one plain type name the
         # sink resolves itself (see sqlsafety). Untyped columns (a CSV source) become text.
         types = [
-            sqlsafety.check_type_name(conn, c.name, c.type) if c.type else "text"
-            for c in self.source_columns
+            sqlsafety.check_type_name(conn, c.name, c.type) if c.type else "text" for c in columns
         ]
+        if not key and self.mode != "append":
+            # Not for append: appending a source row again (an incremental read of its
+            # update, a lookback, a second full read) is what append is for.
+            key = [c.name for c in sorted(columns, key=lambda c: c.key) if c.key]
+        parts: list[sql.Composable] = [
+            sql.SQL("{} {}{}").format(
+                sql.Identifier(c.name),
+                sql.SQL(t),  # type: ignore[arg-type]
+                sql.SQL(" NOT NULL") if c.not_null else sql.SQL(""),
+            )
+            for c, t in zip(columns, types, strict=True)
+        ]
+        if key:
+            parts.append(
+                sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, key)))
+            )
+        if self.spec.get("create_unique"):
+            for unique in _unique_constraints(columns):
+                if unique != key:
+                    parts.append(
+                        sql.SQL("UNIQUE ({})").format(
+                            sql.SQL(", ").join(map(sql.Identifier, unique))
+                        )
+                    )
         conn.execute(
-            sql.SQL("CREATE TABLE {} ({}{})").format(
-                table,
-                sql.SQL(", ").join(
-                    sql.SQL("{} {}").format(sql.Identifier(c.name), sql.SQL(t))  # type: ignore[arg-type]
-                    for c, t in zip(self.source_columns, types, strict=True)
-                ),
-                sql.SQL(", PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, key)))
-                if key
-                else sql.SQL(""),
-            ),
+            sql.SQL("CREATE TABLE {} ({})").format(table, sql.SQL(", ").join(parts)),
             # The extended protocol: one statement, never several.
             binary=True,
         )
+
+    def _check_upsert_key(self) -> None:
+        """An upsert's `key` must be one the sink enforces (a valid unique index or
+        constraint on exactly those columns, without a predicate): checked before any row
+        is copied, so the run fails at once, for good, naming the table and the key."""
+        assert self.conn is not None
+        key = list(self.spec["key"])
+        row = self.conn.execute(SINK_KEY_SQL, [self.schema, self.name, key]).fetchone()
+        if row is None or not row[0]:
+            raise PermanentError(
+                f"upsert: {self.schema}.{self.name} has no unique index or constraint on "
+                f"({', '.join(key)}); create one, or let create: true make the table with "
+                "key as its primary key"
+            )
 
     def _prepare(self) -> None:
         """Begin the data transaction: create the table if asked, lock and clear for
@@ -291,7 +323,7 @@ class _Writer:
                 )
             if not self.source_columns:
                 raise PermanentError("cannot create the sink table: the source has no columns")
-            key = self.spec.get("key") if self.mode == "upsert" else None
+            key = self.spec.get("key")
             # Inside the data transaction: a failed load leaves no half-made table behind.
             # Two first runs may create it at once: the second waits on a transaction lock
             # for this table name until the first commits (or rolls back), then looks
@@ -327,6 +359,7 @@ class _Writer:
             absent = [k for k in self.spec["key"] if k not in names]
             if absent:
                 raise PermanentError(f"key column(s) {', '.join(absent)} not in the source")
+            self._check_upsert_key()
         self._target_types = {n: target[n][0] for n in names}
         # Values bound for json/jsonb columns are serialised here: psycopg would dump a
         # Python list as a PostgreSQL array.
@@ -399,6 +432,11 @@ class _Writer:
         else:
             self._copy_fmt = "text"
         return self._copy_fmt
+
+    def use_copy_format(self, fmt: str) -> None:
+        """The source sends `fmt` instead of the binary asked for (a reader that hashes
+        columns sends text), which this sink reads as well."""
+        self._copy_fmt = fmt
 
     def accept_copy(self, fmt: str, options: dict[str, Any]) -> bool:
         """Take a source's own COPY format as it is: CSV (a file) with its delimiter, null
@@ -605,7 +643,7 @@ class _Writer:
         target = self._target_columns()
         conn.commit()
         if target is None and self.spec.get("create") and self.source_columns:
-            key = self.spec.get("key") if self.mode == "upsert" else None
+            key = self.spec.get("key")
             with conn.transaction():
                 conn.execute(
                     "SELECT pg_catalog.pg_advisory_xact_lock("
@@ -746,6 +784,34 @@ class _Writer:
             return
         conn, self.conn = self.conn, None
         self._canceller.close(conn)
+
+
+# Whether a table has a valid unique index (a constraint's included) on exactly the given
+# columns, in any order and without a predicate: what ON CONFLICT (columns) infers.
+SINK_KEY_SQL = (
+    "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_index i"
+    "  JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) i.indrelid"
+    "  JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
+    " WHERE n.nspname OPERATOR(pg_catalog.=) %s AND c.relname OPERATOR(pg_catalog.=) %s"
+    "   AND i.indisunique AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL"
+    "   AND (SELECT pg_catalog.array_agg(a.attname::pg_catalog.text ORDER BY a.attname)"
+    "          FROM pg_catalog.unnest(i.indkey::pg_catalog.int2[]) WITH ORDINALITY AS k(att, o)"
+    "          JOIN pg_catalog.pg_attribute a ON a.attrelid OPERATOR(pg_catalog.=) c.oid"
+    "           AND a.attnum OPERATOR(pg_catalog.=) k.att"
+    "         WHERE k.o OPERATOR(pg_catalog.<=) i.indnkeyatts)"
+    "       OPERATOR(pg_catalog.=) (SELECT pg_catalog.array_agg(x ORDER BY x)"
+    "          FROM pg_catalog.unnest(%s::pg_catalog.text[]) AS x))"
+)
+
+
+def _unique_constraints(columns: list[Column]) -> list[list[str]]:
+    """The source's unique constraints among the delivered columns (`Column.unique`), each
+    as its column names in order."""
+    groups: dict[int, list[tuple[int, str]]] = {}
+    for c in columns:
+        for number, place in c.unique:
+            groups.setdefault(number, []).append((place, c.name))
+    return [[name for _, name in sorted(groups[n])] for n in sorted(groups)]
 
 
 def _json_text(value: Any) -> Any:
