@@ -395,6 +395,10 @@ class JobBinding(models.Model):
                     "by one, each fenced by its own run): use a postgresql or null sink, or "
                     "drop slices from the source spec"
                 ]
+            elif role == "sink" and isinstance(job.source_spec, dict):
+                refused = connector.sink_spec_errors_with_source(job.sink_spec, job.source_spec)
+                if refused:
+                    errors[role] = [f"sink_spec: {m}" for m in refused]
         if errors:
             raise ValidationError(errors)
 
