@@ -46,11 +46,13 @@ def _run(src: ScratchDB, dst: ScratchDB, **policy: Any) -> tuple[Any, Ctx, list[
     ctx = Ctx()
     ctx.fence.binding_id = BINDING
     spec = {"table": "t", "create": True, **policy}
-    with PG.open_reader(src.config, {"table": "t"}, ctx) as reader:
-        with PG.open_writer(dst.config, spec, ctx, reader.columns) as writer:
-            Runner._transfer(ctx, reader, writer)  # type: ignore[arg-type]
-            result = writer.commit()
-            return result, ctx, [c.as_json() for c in writer.schema_changes]
+    with (
+        PG.open_reader(src.config, {"table": "t"}, ctx) as reader,
+        PG.open_writer(dst.config, spec, ctx, reader.columns) as writer,
+    ):
+        Runner._transfer(ctx, reader, writer)  # type: ignore[arg-type]
+        result = writer.commit()
+        return result, ctx, [c.as_json() for c in writer.schema_changes]
 
 
 def _first_run(src: ScratchDB, dst: ScratchDB) -> None:
@@ -216,9 +218,11 @@ def test_new_column__a_hostile_type_name_never_reaches_the_sink(dst_db: ScratchD
     dst_db.execute("CREATE TABLE victim (id int)")
     columns = [Column("id", "integer"), Column("x", "integer); DROP TABLE victim; --")]
     spec = {"table": "t", "on_new_column": "add"}
-    with PG.open_writer(dst_db.config, spec, Ctx(), columns) as writer:
-        with pytest.raises(PermanentError, match="column x: the source's type"):
-            writer.write([[1, 2]])
+    with (
+        PG.open_writer(dst_db.config, spec, Ctx(), columns) as writer,
+        pytest.raises(PermanentError, match="column x: the source's type"),
+    ):
+        writer.write([[1, 2]])
     assert dst_db.execute("SELECT count(*) FROM pg_tables WHERE tablename = 'victim'") == [(1,)]
     assert [c for c, _ in _columns(dst_db)] == ["id"]
 
