@@ -672,6 +672,10 @@ class Attempt(models.Model):
     receipt_digest = models.CharField(max_length=16, null=True, blank=True, editable=False)
     receipt_verified_at = models.DateTimeField(null=True, blank=True, editable=False)
     receipt_verification = models.TextField(null=True, blank=True, editable=False)
+    # The schema changes its sink made or found in the data transaction that committed its
+    # rows (docs/connectors.md, "Schema changes"): a list of {column, change, type, from};
+    # NULL when there were none.
+    schema_changes = models.JSONField(null=True, blank=True, editable=False)
 
     objects = AttemptQuerySet.as_manager()
 

@@ -52,7 +52,7 @@ def _run(src: ScratchDB, dst: ScratchDB, **policy: Any) -> tuple[Any, Ctx, list[
     ):
         Runner._transfer(ctx, reader, writer)  # type: ignore[arg-type]
         result = writer.commit()
-        return result, ctx, [c.as_json() for c in writer.schema_changes]
+        return result, ctx, writer.schema_changes
 
 
 def _first_run(src: ScratchDB, dst: ScratchDB) -> None:

@@ -55,6 +55,18 @@ class Change:
 ALERTED = ("added", "widened", "missing")
 
 
+def describe_changes(changes: list[dict[str, Any]]) -> str:
+    """Schema changes as one line: `code widened character varying(10) -> character
+    varying(20); extra added numeric(8,2)`."""
+    parts = []
+    for c in changes:
+        if c.get("from"):
+            parts.append(f"{c['column']} {c['change']} {c['from']} -> {c.get('type')}")
+        else:
+            parts.append(" ".join(str(p) for p in (c["column"], c["change"], c.get("type")) if p))
+    return "; ".join(parts)
+
+
 def validate(spec: dict[str, Any]) -> None:
     for name, choices in POLICIES.items():
         value = spec.get(name, choices[0])

@@ -109,7 +109,7 @@ class _Writer:
         # Schema changes (schema_policy.py): what `_prepare` found and did, the columns
         # loaded into the target (the source's less the ignored ones), and whether the
         # rows go through the temporary staging table first.
-        self.schema_changes: list[Change] = []
+        self.schema_changes: list[dict[str, Any]] = []  # Change.as_json() of each
         self._load: list[str] = []
         self._via_stage = self.mode in KEYED_MODES
         # mirror: the `deleted_column` (a soft delete); after commit(), the rows deleted.
@@ -490,7 +490,7 @@ class _Writer:
         if outside:
             previous = set(self._previous_columns())
             changes += [Change(n, "missing", target[n][0]) for n in outside if n in previous]
-        self.schema_changes = changes
+        self.schema_changes = [ch.as_json() for ch in changes]
         if any(ch.change in ("added", "widened") for ch in changes):
             found = self._target_columns()
             assert found is not None
