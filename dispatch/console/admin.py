@@ -1141,7 +1141,7 @@ class RunAdmin(HistoryAdmin):
             .order_by("-number")
             .first()
         )
-        return describe_changes(attempt.schema_changes) if attempt else "-"
+        return describe_changes(attempt.schema_changes or []) if attempt else "-"
 
     @admin.display(description="duration")  # not sortable: a computed value sorts every row
     def duration(self, obj: Run) -> str:

@@ -270,7 +270,7 @@ class PostgreSQLConnector(Connector):
                 raise ValidationError("deleted_column: only used with mode mirror")
             if not isinstance(deleted, str) or not deleted:
                 raise ValidationError("deleted_column: must be a column name")
-            if deleted in key:
+            if deleted in (key or []):
                 raise ValidationError("deleted_column: must not be a key column")
         schema_policy.validate(spec)
         if not isinstance(spec.get("create", False), bool):
