@@ -247,3 +247,18 @@ def test_policies__validated_with_the_field_named() -> None:
     assert (
         PG.sink_spec_errors_with_source({"table": "t", "on_missing_column": "fail"}, sliced) == []
     )
+
+
+def test_new_column__ignore_with_a_keyed_mode_merges_the_other_columns(
+    src_db: ScratchDB, dst_db: ScratchDB
+) -> None:
+    src_db.execute("CREATE TABLE t (id int, name text, extra jsonb)")
+    src_db.execute("INSERT INTO t SELECT i, 'n' || i, '{}' FROM generate_series(1, 20) i")
+    dst_db.execute("CREATE TABLE t (id int PRIMARY KEY, name text)")
+    dst_db.execute("INSERT INTO t VALUES (1, 'old'), (99, 'gone')")
+    _, _, changes = _run(
+        src_db, dst_db, mode="mirror", key=["id"], on_new_column="ignore", create=False
+    )
+    assert changes == [{"column": "extra", "change": "ignored", "type": "jsonb"}]
+    assert dst_db.execute("SELECT count(*), min(id), max(id) FROM t") == [(20, 1, 20)]
+    assert dst_db.execute("SELECT name FROM t WHERE id = 1") == [("n1",)]
