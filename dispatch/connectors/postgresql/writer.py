@@ -112,7 +112,8 @@ class _Writer:
         self.schema_changes: list[dict[str, Any]] = []  # Change.as_json() of each
         self._load: list[str] = []
         self._via_stage = self.mode in KEYED_MODES
-        # mirror: the `deleted_column` (a soft delete); after commit(), the rows deleted.
+        # mirror: the `deleted_column` (a soft delete); after commit(), the sink rows it
+        # deleted (absent from the snapshot or marked).
         self.deleted_column: str | None = spec.get("deleted_column")
         self.mirror_deleted = 0
         self._marked = 0  # staged rows marked deleted
@@ -241,9 +242,8 @@ class _Writer:
         self._ready()
         if self.mode == "replace":
             raise PermanentError(
-                "incremental reads need an append or upsert sink (or mirror with deleted_column): "
-                "replace would keep only "
-                "the latest increment"
+                "incremental reads need an append or upsert sink (or mirror with "
+                "deleted_column): replace would keep only the latest increment"
             )
         if inc.lookback_seconds is not None and self.mode not in KEYED_MODES:
             raise PermanentError(
