@@ -1,5 +1,5 @@
-"""A single stream against the raw pipe: PostgreSQL -> PostgreSQL in `append`, `replace`
-and `upsert` modes and CSV -> PostgreSQL through `runworker`, each side by side with `psql`
+"""A single stream against the raw pipe: PostgreSQL -> PostgreSQL in `append`, `replace`,
+`upsert` and `mirror` modes and CSV -> PostgreSQL through `runworker`, each side by side with `psql`
 doing the same work; the fixed cost of a run; the worker's peak RSS as the rows grow.
 
     python -m bench copy [--rows 1000000] [--small 10000] [--rows-big N] [--rounds 3]
@@ -15,8 +15,9 @@ doing the same work; the fixed cost of a run; the worker's peak RSS as the rows 
   own clock gives trigger -> SUCCEEDED (`dispatch_run.finished_at - created_at`) and claim
   -> settle (`dispatch_attempt.finished_at - claimed_at`); an in-process run of the same
   job, timed stage by stage, says where that time goes.
-- Peak RSS: the worker's VmHWM after an `append` run of `--small`, `--rows` and, with
-  `--rows-big`, that many rows (a fresh worker each).
+- Peak RSS: the worker's VmHWM after an `append` run (and a `mirror` run, 10 % of the
+  sink deleted) of `--small`, `--rows` and, with `--rows-big`, that many rows (a fresh
+  worker each).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ COLUMNS = (
     "id bigint, customer text, amount numeric(12,2), created_at timestamptz, attrs jsonb,"
     " active boolean"
 )
-CASES = ("append", "replace", "truncate", "upsert", "csv", "parquet")
+CASES = ("append", "replace", "truncate", "upsert", "mirror", "csv", "parquet")
+# The cases whose sink is keyed on id.
+KEYED = ("upsert", "mirror")
 # Set from --prefix in main(): the benchmark's three databases.
 APP_DB = SRC_DB = DST_DB = ""
 
@@ -120,8 +123,8 @@ def sink_spec(case: str, table: str) -> dict[str, Any]:
     sink = f"{table}_{case}"
     if case == "parquet":
         return {"path": sink, "mode": "replace"}
-    if case == "upsert":
-        return {"table": sink, "mode": "upsert", "key": ["id"]}
+    if case in KEYED:
+        return {"table": sink, "mode": case, "key": ["id"]}
     if case == "truncate":
         return {"table": sink, "mode": "replace", "truncate": True}
     return {"table": sink, "mode": "replace" if case == "replace" else "append"}
@@ -204,7 +207,10 @@ def reset_sink(server: str, table: str, *, key: bool, rows: int = 0) -> None:
 
 def old_rows(case: str, rows: int) -> int:
     """What the sink holds before a round: a replace replaces a table as large as the
-    source (so the time to clear it counts); the other cases start empty."""
+    source (so the time to clear it counts); a mirror holds the source's rows and a tenth
+    more, so that 10 % of its rows are deleted; the other cases start empty."""
+    if case == "mirror":
+        return rows + rows // 9
     return rows if case in ("replace", "truncate") else 0
 
 
@@ -286,7 +292,7 @@ def worker_round(
     if case == "parquet":
         shutil.rmtree(common.csv_dir() / sink, ignore_errors=True)
     else:
-        reset_sink(server, sink, key=case == "upsert", rows=old_rows(case, rows))
+        reset_sink(server, sink, key=case in KEYED, rows=old_rows(case, rows))
     with worker(server, f"copy-{sink}.log") as (proc, app):
         elapsed, _ = run_once(app, bindings[case, table], proc.log)
         peak = vm_hwm_kib(proc.popen.pid)
@@ -327,12 +333,12 @@ def raw_round(server: str, case: str, table: str, rows: int) -> float:
     if case == "parquet":
         return raw_parquet(server, table, rows)
     sink = f"{table}_{case}"
-    reset_sink(server, sink, key=case == "upsert", rows=old_rows(case, rows))
+    reset_sink(server, sink, key=case in KEYED, rows=old_rows(case, rows))
     dst = url(server, DST_DB)
     # Constant identifiers (the benchmark's own table names), not user input.
     if case in ("replace", "truncate"):
         load = ["-1", "-c", f"TRUNCATE {sink}", "-c", f"COPY {sink} FROM STDIN"]
-    elif case == "upsert":
+    elif case in KEYED:
         load = [
             "-1",
             "-c", f"CREATE TEMP TABLE staging (LIKE {sink}) ON COMMIT DROP",
@@ -341,6 +347,12 @@ def raw_round(server: str, case: str, table: str, rows: int) -> float:
             "customer = EXCLUDED.customer, amount = EXCLUDED.amount, "
             "created_at = EXCLUDED.created_at, attrs = EXCLUDED.attrs, active = EXCLUDED.active",
         ]  # fmt: skip
+        if case == "mirror":
+            load += [
+                "-c", "ANALYZE staging",
+                "-c", f"DELETE FROM {sink} t WHERE NOT EXISTS "
+                "(SELECT FROM staging s WHERE s.id = t.id)",
+            ]  # fmt: skip
     elif case == "csv":
         path = common.csv_dir() / f"{table}.csv"
         load = ["-c", f"\\copy {sink} FROM '{path}' (FORMAT csv, HEADER)"]
@@ -507,7 +519,7 @@ def main(argv: list[str]) -> int:
         w = [x[0] for x in res["worker"]]
         ratio = common.Spread([r / x for r, x in zip(res["raw"], w, strict=True)])
         ratios[case] = ratio.median
-        goal = 0.9 if case in ("upsert", "csv") else 0.95
+        goal = 0.9 if case in ("upsert", "mirror", "csv") else 0.95
         # Parquet has no goal: its raw side is another program (pyarrow's C++ CSV reader).
         verdict = (
             ""
@@ -538,6 +550,14 @@ def main(argv: list[str]) -> int:
         rss.append((n, peak / 1024))
         print(f"rss at {n:,} rows: {peak / 1024:.1f} MiB", flush=True)
     flat = max(m for _, m in rss) / min(m for _, m in rss)
+    # The same for mirror (its deletes run on the sink's server: the worker stays flat).
+    mirror_rss: list[tuple[int, float]] = []
+    for table, n in sizes.items():
+        if table == "orders_one" or "mirror" not in cases:
+            continue
+        _, peak = worker_round(args.server, bindings, "mirror", table, n)
+        mirror_rss.append((n, peak / 1024))
+        print(f"mirror rss at {n:,} rows: {peak / 1024:.1f} MiB", flush=True)
     # The same for PostgreSQL -> Parquet (row groups streamed: memory flat as well).
     rss_parquet: list[tuple[int, float]] = []
     if "parquet" in cases:
@@ -549,14 +569,15 @@ def main(argv: list[str]) -> int:
 
     report.add(
         f"Rows: `{COLUMNS}`, {args.rows:,} of them; each sink table exists with the same "
-        "types (keyed on `id` for upsert); it is empty, except for replace (default: "
-        "`DELETE`; `truncate`: the spec's `truncate: true`), where it holds as many old "
-        "rows as the source. A fresh `runworker --concurrency 1` "
+        "types (keyed on `id` for upsert and mirror); it is empty, except for replace "
+        "(default: `DELETE`; `truncate`: the spec's `truncate: true`), where it holds as "
+        "many old rows as the source, and mirror, where it holds those and a ninth more "
+        "(deleted by the run: 10 % of the sink). A fresh `runworker --concurrency 1` "
         "per worker round, listening before the trigger; time = trigger -> SUCCEEDED (wall "
         "clock, seen in `dispatch_run`: the run's fixed cost included). Raw: `psql` alone "
         "doing the same work (text COPY out | COPY in; replace: TRUNCATE + COPY in one "
         "transaction; upsert: COPY into a staging table + `INSERT ... ON CONFLICT (id) DO "
-        "UPDATE`; CSV: `psql -c \"\\copy ... FROM 'file' (FORMAT csv, HEADER)\"`). "
+        "UPDATE`; mirror: that, then `DELETE ... WHERE NOT EXISTS` (the staging table); CSV: `psql -c \"\\copy ... FROM 'file' (FORMAT csv, HEADER)\"`). "
         f"{args.rounds} alternated rounds; seconds as median (min-max)."
     )
     report.add(common.table(["case", "worker s", "raw s", "raw / worker"], speed_rows))
@@ -578,6 +599,15 @@ def main(argv: list[str]) -> int:
         + ", ".join(f"{m:.1f} MiB at {n:,} rows" for n, m in rss)
         + f"; largest / smallest **{flat:.2f}** (flat: {common.verdict(flat <= 1.25)})."
     )
+    if mirror_rss:
+        mirror_flat = max(m for _, m in mirror_rss) / min(m for _, m in mirror_rss)
+        report.add(
+            "Peak RSS of a fresh worker after one `mirror` run (the sink holds the source's "
+            "rows and a ninth more, so a tenth of its rows are deleted): "
+            + ", ".join(f"{m:.1f} MiB at {n:,} rows" for n, m in mirror_rss)
+            + f"; largest / smallest **{mirror_flat:.2f}** "
+            f"(flat: {common.verdict(mirror_flat <= 1.25)})."
+        )
     if rss_parquet:
         flat_parquet = max(m for _, m in rss_parquet) / min(m for _, m in rss_parquet)
         report.add(

@@ -225,6 +225,14 @@ class Connector:
     sliced_writes: ClassVar[bool] = False
 
     @classmethod
+    def sink_spec_errors_with_source(
+        cls, sink_spec: dict[str, Any], source_spec: dict[str, Any]
+    ) -> list[str]:
+        """What this sink refuses of `sink_spec` given the job's (valid) `source_spec`
+        (a mode a sliced or incremental source cannot have); empty when none."""
+        return []
+
+    @classmethod
     def secret_fields(cls) -> frozenset[str]:  # type: ignore[override]
         return frozenset(f.name for f in cls.config_fields if f.secret)
 

@@ -46,6 +46,7 @@ from django.views.decorators.debug import sensitive_post_parameters
 from dispatch import conf, services
 from dispatch.connectors import incremental
 from dispatch.connectors.base import ConnectorError
+from dispatch.connectors.postgresql.schema_policy import describe_changes
 from dispatch.console import querypermission
 from dispatch.console import slices as console_slices
 from dispatch.console.actions import (
@@ -1027,6 +1028,7 @@ class RunAdmin(HistoryAdmin):
                     "duration",
                     "cancel_requested_at",
                     "receipt",
+                    "schema_changes_text",
                 ]
             },
         ),
@@ -1160,7 +1162,6 @@ class RunAdmin(HistoryAdmin):
             format_html_join(" ", "{}", ((n,) for n in notes)),
         )
 
-    @admin.display(description="duration")  # not sortable: a computed value sorts every row
     @admin.display(description="receipt")
     def receipt(self, obj: Run) -> str:
         """The receipt of the run's delivery (its attempt that committed one)."""
@@ -1171,6 +1172,18 @@ class RunAdmin(HistoryAdmin):
             .first()
         )
 
+    @admin.display(description="schema changes")
+    def schema_changes_text(self, obj: Run) -> str:
+        """What the run's delivery changed in (or found missing from) its sink table."""
+        attempt = (
+            Attempt.objects.filter(run=obj, schema_changes__isnull=False)
+            .only("schema_changes")
+            .order_by("-number")
+            .first()
+        )
+        return describe_changes(attempt.schema_changes or []) if attempt else "-"
+
+    @admin.display(description="duration")  # not sortable: a computed value sorts every row
     def duration(self, obj: Run) -> str:
         elapsed = getattr(obj, "elapsed", None)
         return duration_text(elapsed.total_seconds() if elapsed is not None else None)
@@ -1275,6 +1288,7 @@ class AttemptAdmin(HistoryAdmin):
                     "blocked",
                     "progress_detail",
                     "receipt",
+                    "schema_changes_text",
                 ]
             },
         ),
@@ -1352,6 +1366,10 @@ class AttemptAdmin(HistoryAdmin):
     @admin.display(description="receipt")
     def receipt(self, obj: Attempt) -> str:
         return receipt_text(obj)
+
+    @admin.display(description="schema changes")
+    def schema_changes_text(self, obj: Attempt) -> str:
+        return describe_changes(obj.schema_changes) if obj.schema_changes else "-"
 
     @admin.display(description="run")
     def run_link(self, obj: Attempt) -> SafeString:

@@ -420,6 +420,10 @@ class JobBinding(models.Model):
                     "by one, each fenced by its own run): use a postgresql or null sink, or "
                     "drop slices from the source spec"
                 ]
+            elif role == "sink" and isinstance(job.source_spec, dict):
+                refused = connector.sink_spec_errors_with_source(job.sink_spec, job.source_spec)
+                if refused:
+                    errors[role] = [f"sink_spec: {m}" for m in refused]
         if errors:
             raise ValidationError(errors)
 
@@ -693,6 +697,10 @@ class Attempt(models.Model):
     receipt_digest = models.CharField(max_length=16, null=True, blank=True, editable=False)
     receipt_verified_at = models.DateTimeField(null=True, blank=True, editable=False)
     receipt_verification = models.TextField(null=True, blank=True, editable=False)
+    # The schema changes its sink made or found in the data transaction that committed its
+    # rows (docs/connectors.md, "Schema changes"): a list of {column, change, type, from};
+    # NULL when there were none.
+    schema_changes = models.JSONField(null=True, blank=True, editable=False)
 
     objects = AttemptQuerySet.as_manager()
 

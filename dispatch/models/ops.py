@@ -188,6 +188,7 @@ class AlertKind(models.TextChoices):
     BINDING_RECOVERED = "BINDING_RECOVERED", "Failing binding succeeded again"
     BINDING_WARNED = "BINDING_WARNED", "Binding warned (failing)"
     BINDING_AUTO_DISABLED = "BINDING_AUTO_DISABLED", "Binding auto-disabled"
+    SCHEMA_CHANGED = "SCHEMA_CHANGED", "Sink table's columns changed by policy"
 
 
 class AlertStatus(models.TextChoices):

@@ -51,6 +51,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from dispatch import conf
+from dispatch.connectors.postgresql.schema_policy import ALERTED, describe_changes
 from dispatch.db import db_now, storable
 from dispatch.models.ops import (
     Alert,
@@ -94,6 +95,7 @@ PAYLOAD_FIELDS = (
     "health",
     "consecutive_failures",
     "event",
+    "schema_changes",
 )
 
 
@@ -256,6 +258,15 @@ def _scan_binding(
         for run_id, status in finished:
             if status == Status.FAILED:
                 _enqueue(AlertKind.RUN_FAILED, binding, health, report, run_id=run_id)
+        for run_id, changes in _schema_changes(finished):
+            _enqueue(
+                AlertKind.SCHEMA_CHANGED,
+                binding,
+                health,
+                report,
+                run_id=run_id,
+                extra={"schema_changes": changes},
+            )
         success = next((r for r, s in reversed(finished) if s == Status.SUCCEEDED), None)
         if (
             was_failing
@@ -271,6 +282,30 @@ def _scan_binding(
         _thresholds(binding, health, report)
         health.updated_at = Now()
         health.save()
+
+
+def _schema_changes(
+    finished: list[tuple[uuid.UUID, str]],
+) -> list[tuple[uuid.UUID, list[dict[str, Any]]]]:
+    """The schema changes the sinks of the succeeded runs among `finished` applied or
+    found (columns added, widened, or missing from the source), run by run: the column
+    names and types only, never a value. A column a policy ignores is on the attempt's
+    page, not in an alert (it changes nothing in the sink)."""
+    from dispatch.models import Attempt
+
+    succeeded = [run_id for run_id, status in finished if status == Status.SUCCEEDED]
+    if not succeeded:
+        return []
+    found = []
+    for run_id, changes in (
+        Attempt.objects.filter(run_id__in=succeeded, schema_changes__isnull=False)
+        .order_by("run_id", "number")
+        .values_list("run_id", "schema_changes")
+    ):
+        alerted = [c for c in changes or [] if c.get("change") in ALERTED]
+        if alerted:
+            found.append((run_id, alerted))
+    return found
 
 
 def _reset_if_reenabled(binding: Any, health: BindingHealth, report: ScanReport) -> None:
@@ -452,6 +487,7 @@ def _enqueue(
     *,
     run_id: uuid.UUID | None = None,
     event: str = "",
+    extra: dict[str, Any] | None = None,
 ) -> None:
     """One outbox row per notifier; the de-duplication key makes a second enqueue of the
     same event a no-op. Past the rate limit (per binding and kind, per hour) the row is
@@ -459,6 +495,7 @@ def _enqueue(
     if health.alerts_muted:
         return
     payload, event_at = _payload(kind, binding, health, run_id, event)
+    payload.update(extra or {})
     notifiers = _notifiers(health, event_at)
     if not notifiers:
         return
@@ -565,6 +602,7 @@ SUBJECTS = {
     AlertKind.BINDING_RECOVERED: "{binding} succeeded again",
     AlertKind.BINDING_WARNED: "{binding} keeps failing",
     AlertKind.BINDING_AUTO_DISABLED: "{binding} was disabled",
+    AlertKind.SCHEMA_CHANGED: "{binding} changed its sink table's columns",
 }
 
 
@@ -594,7 +632,8 @@ BODY_FOOTER = (
 def body_text(payload: dict[str, Any]) -> str:
     """An email's body: one `label: value` line per `PAYLOAD_FIELDS` key that has one."""
     lines = [
-        f"{BODY_LABELS.get(key, key)}: {payload[key]}"
+        f"{BODY_LABELS.get(key, key)}: "
+        + (describe_changes(payload[key]) if key == "schema_changes" else str(payload[key]))
         for key in PAYLOAD_FIELDS
         if payload.get(key) not in (None, "")
     ]

@@ -121,6 +121,14 @@ UPDATE dispatch_attempt
    SET receipt_rows = %(rows)s, receipt_digest = %(digest)s
  WHERE id = %(attempt)s AND lease_token = %(token)s AND status = 'RUNNING';
 
+-- name: record_schema_changes
+-- The schema changes a sink made or found in the transaction that committed an attempt's
+-- rows (docs/connectors.md, "Schema changes"), recorded after that commit and before the
+-- settlement, for the console and the health scan's alert. Guarded by status and token.
+UPDATE dispatch_attempt
+   SET schema_changes = %(changes)s::jsonb
+ WHERE id = %(attempt)s AND lease_token = %(token)s AND status = 'RUNNING';
+
 -- name: record_estimates
 -- The rows each of a worker's attempts expects to read (its source's estimate: progress
 -- only, nothing decides on it), written once per attempt by the heartbeat thread after a

@@ -212,6 +212,18 @@ def binding_hash_key(attempt_id: uuid.UUID, token: int) -> tuple[str, uuid.UUID]
 
 
 @_bounded
+def record_schema_changes(attempt_id: uuid.UUID, token: int, changes: list[dict[str, Any]]) -> bool:
+    """Store the schema changes the sink committed with the attempt's rows on its row
+    (status + token guarded). False: the attempt is no longer ours."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            query("record_schema_changes"),
+            {"attempt": attempt_id, "token": token, "changes": json.dumps(changes)},
+        )
+        return cursor.rowcount == 1
+
+
+@_bounded
 def _outcome(
     attempt_id: uuid.UUID,
     token: int,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import json
 import logging
 import queue
 import re
@@ -668,6 +669,9 @@ class Runner:
         receipt = getattr(writer, "receipt_committed", None)
         if receipt is not None:
             self._record_receipt(*receipt)
+        changes = getattr(writer, "schema_changes", None)
+        if changes and not result.already_committed:
+            self._record_schema_changes(list(changes))
         return self.settle(
             "SUCCEEDED", Reason.ALREADY_COMMITTED if result.already_committed else None
         )
@@ -820,6 +824,17 @@ class Runner:
             claims.record_receipt(c.attempt_id, c.lease_token, rows, digest)
         except DB_ERRORS as exc:
             self._log("receipt not recorded: %s", type(exc).__name__, level=logging.WARNING)
+
+    def _record_schema_changes(self, changes: list[dict[str, Any]]) -> None:
+        """The schema changes the sink committed with the rows, on the attempt's row (the
+        console shows them, the health scan alerts on them). The sink's table is the
+        truth, so a failure here is logged and the settlement goes on."""
+        c = self.claimed
+        self._log("sink schema changed changes=%s", one_line(json.dumps(changes)))
+        try:
+            claims.record_schema_changes(c.attempt_id, c.lease_token, changes)
+        except DB_ERRORS as exc:
+            self._log("schema changes not recorded: %s", type(exc).__name__, level=logging.WARNING)
 
     def _copy_cursor(self, committed: incremental.CommittedCursor) -> None:
         try:

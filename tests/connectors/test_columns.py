@@ -325,7 +325,7 @@ def test_upsert__a_key_the_sink_does_not_enforce_fails_before_any_row_moves(
 @pytest.mark.parametrize(
     ("sink", "message"),
     [
-        ({"key": ["a"]}, "key: only used with mode upsert, or with create"),
+        ({"key": ["a"]}, "key: only used with mode upsert or mirror, or with create"),
         ({"create": True, "key": "a"}, "key: must be a non-empty list"),
         ({"mode": "upsert", "key": ["a", "a"]}, "key: a column is named more than once"),
         ({"create_unique": True}, "create_unique: only used with create"),

@@ -262,3 +262,19 @@ def test_overview__bounded_queries_and_content(
     assert "vault-binding" in body  # bindings at capacity (max_concurrency 1, one running)
     assert "connection reset" in body  # failures of the last 24 h
     assert world["forbidden"][0] not in body
+
+
+def test_run_and_attempt_pages__show_the_schema_changes(admin_client: Client) -> None:
+    binding = BindingFactory()
+    run = trigger(binding)
+    c = claim_one("w-schema", run_id=run.id)
+    changes = [{"column": "code", "change": "widened", "type": "bigint", "from": "integer"}]
+    assert claims.record_schema_changes(c.attempt_id, c.lease_token, changes)
+    claims.settle(c.attempt_id, c.lease_token, "SUCCEEDED")
+    for url in (
+        reverse("admin:dispatch_run_change", args=[run.pk]),
+        reverse("admin:dispatch_attempt_change", args=[c.attempt_id]),
+    ):
+        page = admin_client.get(url).content.decode()
+        assert "Schema changes:" in page
+        assert '<div class="readonly">code widened integer -&gt; bigint</div>' in page

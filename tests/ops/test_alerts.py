@@ -688,3 +688,35 @@ def test_alerts__malformed_or_refused_domains_are_reported_by_system_checks() ->
         assert "1 binding(s)" in warning.msg and "outside.test" not in warning.msg
     with override_settings(DISPATCH_ALERT_EMAIL_DOMAINS=["*"]):
         assert check_stored_alert_addresses(databases=["default"]) == []
+
+
+@override_settings(**BASE)
+def test_scan__a_run_that_changed_its_sink_table_is_alerted_with_the_changes() -> None:
+    binding = BindingFactory()
+    changed = trigger(binding)
+    (c,) = claims.claim("w-alerts", run_id=changed.id, limit=1, generic=False)
+    recorded = [
+        {"column": "extra", "change": "added", "type": "numeric(8,2)"},
+        {"column": "note", "change": "ignored", "type": "text"},
+        {"column": "code", "change": "widened", "type": "bigint", "from": "integer"},
+    ]
+    # Guarded by the lease token, like every write after the claim.
+    assert not claims.record_schema_changes(c.attempt_id, c.lease_token + 1, recorded)
+    assert claims.record_schema_changes(c.attempt_id, c.lease_token, recorded)
+    claims.settle(c.attempt_id, c.lease_token, "SUCCEEDED")
+    # A run whose sink only ignored a column changed nothing in the sink: no alert.
+    quiet = trigger(binding)
+    (q,) = claims.claim("w-alerts", run_id=quiet.id, limit=1, generic=False)
+    assert claims.record_schema_changes(q.attempt_id, q.lease_token, recorded[1:2])
+    claims.settle(q.attempt_id, q.lease_token, "SUCCEEDED")
+    alerts.scan()
+    alerts.scan()  # a second pass enqueues nothing twice
+    (alert,) = Alert.objects.filter(binding_id=binding.pk)
+    assert (alert.kind, alert.run_id) == (AlertKind.SCHEMA_CHANGED, changed.id)
+    assert alert.payload["schema_changes"] == [recorded[0], recorded[2]]
+    assert alerts.drain() == 1
+    (message,) = mail.outbox
+    assert message.subject == f"[dispatch] {binding.name} changed its sink table's columns"
+    assert "schema_changes: extra added numeric(8,2); code widened integer -> bigint" in (
+        message.body
+    )

@@ -29,7 +29,7 @@ from dispatch.connectors.base import (
     check_unknown,
     require_object,
 )
-from dispatch.connectors.postgresql import slices
+from dispatch.connectors.postgresql import schema_policy, slices
 from dispatch.connectors.postgresql.cancel import _Canceller
 from dispatch.connectors.postgresql.connect import (
     AUTH_METHODS,
@@ -47,7 +47,7 @@ from dispatch.connectors.postgresql.connect import (
     policy_errors,
 )
 from dispatch.connectors.postgresql.reader import _Reader, _strip_query
-from dispatch.connectors.postgresql.writer import SINK_KEY_SQL, SINK_MODES, _Writer
+from dispatch.connectors.postgresql.writer import KEYED_MODES, SINK_KEY_SQL, SINK_MODES, _Writer
 
 __all__ = [
     "PostgreSQLConnector",
@@ -134,9 +134,28 @@ class PostgreSQLConnector(Connector):
         SpecField("mode", f"{', '.join(SINK_MODES)} (default {SINK_MODES[0]})"),
         SpecField(
             "key",
-            "the key columns of upsert, a list (the sink must enforce it: a unique index or "
-            "constraint on exactly them); with create, the created table's primary key "
-            "(instead of the source's)",
+            "the key columns of upsert and mirror, a list (the sink must enforce it: a unique "
+            "index or constraint on exactly them); with create, the created table's primary "
+            "key (instead of the source's)",
+        ),
+        SpecField(
+            "deleted_column",
+            "mirror only: a source column marking a row deleted (true, or any non-NULL "
+            "value of a non-boolean column); such rows are deleted from the sink",
+        ),
+        SpecField(
+            "on_new_column",
+            "a source column the sink table lacks: fail (default), add (ALTER TABLE ADD "
+            "COLUMN in the data transaction), ignore (leave it out)",
+        ),
+        SpecField(
+            "on_missing_column",
+            "a sink column the source lacks: null (default: it takes its default), fail",
+        ),
+        SpecField(
+            "on_type_change",
+            "a source column wider than the sink's (varchar(10) -> varchar(20), integer -> "
+            "bigint): fail (default), widen (ALTER COLUMN TYPE in the data transaction)",
         ),
         SpecField(
             "create",
@@ -258,18 +277,18 @@ class PostgreSQLConnector(Connector):
         if mode not in SINK_MODES:
             raise ValidationError(f"mode: must be one of {', '.join(SINK_MODES)}")
         key = spec.get("key")
-        if mode == "upsert":
+        if mode in KEYED_MODES:
             if (
                 not isinstance(key, list)
                 or not key
                 or not all(isinstance(k, str) and k for k in key)
             ):
-                raise ValidationError("key: upsert needs a non-empty list of column names")
+                raise ValidationError(f"key: {mode} needs a non-empty list of column names")
         elif key is not None:
             if not spec.get("create"):
                 raise ValidationError(
-                    "key: only used with mode upsert, or with create (the created table's "
-                    "primary key)"
+                    "key: only used with mode upsert or mirror, or with create (the created "
+                    "table's primary key)"
                 )
             if (
                 not isinstance(key, list)
@@ -279,6 +298,15 @@ class PostgreSQLConnector(Connector):
                 raise ValidationError("key: must be a non-empty list of column names")
         if isinstance(key, list) and len(set(key)) != len(key):
             raise ValidationError("key: a column is named more than once")
+        deleted = spec.get("deleted_column")
+        if deleted is not None:
+            if mode != "mirror":
+                raise ValidationError("deleted_column: only used with mode mirror")
+            if not isinstance(deleted, str) or not deleted:
+                raise ValidationError("deleted_column: must be a column name")
+            if deleted in (key or []):
+                raise ValidationError("deleted_column: must not be a key column")
+        schema_policy.validate(spec)
         if not isinstance(spec.get("create", False), bool):
             raise ValidationError("create: must be true or false")
         if not isinstance(spec.get("create_unique", False), bool):
@@ -294,6 +322,34 @@ class PostgreSQLConnector(Connector):
                 raise ValidationError(f"{flag}: must be true or false")
         _timeouts(spec)
         return spec
+
+    @classmethod
+    def sink_spec_errors_with_source(
+        cls, sink_spec: dict[str, Any], source_spec: dict[str, Any]
+    ) -> list[str]:
+        errors: list[str] = []
+        mode = sink_spec.get("mode", "append")
+        if source_spec.get("slices") is not None:
+            if mode == "mirror":
+                errors.append(
+                    "mode: mirror cannot take a sliced source (each slice commits on its "
+                    "own, and none sees the whole snapshot to delete the rest)"
+                )
+            errors += [
+                f"{p} cannot take a sliced source (each slice commits on its own): leave "
+                "the sink table's columns as they are"
+                for p in schema_policy.sliced_refusals(sink_spec)
+            ]
+        if (
+            source_spec.get("incremental") is not None
+            and mode == "mirror"
+            and not sink_spec.get("deleted_column")
+        ):
+            errors.append(
+                "deleted_column: mirror with incremental reads needs it (a cursor sees only "
+                "the rows that changed: a row deleted from the source is invisible to it)"
+            )
+        return errors
 
     @classmethod
     def test_connection(cls, config: dict[str, Any]) -> None:

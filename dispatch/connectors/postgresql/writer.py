@@ -31,14 +31,22 @@ from dispatch.connectors.postgresql.connect import (
     open_session,
     parse_table,
 )
+from dispatch.connectors.postgresql.schema_policy import Change, is_wider, policy
 
-SINK_MODES = ("append", "replace", "upsert")
+SINK_MODES = ("append", "replace", "upsert", "mirror")
+# The modes that stage the rows and merge them on a key.
+KEYED_MODES = ("upsert", "mirror")
+# The temporary table rows are copied into when they are not copied into the target.
+STAGE = "dispatch_stage"
 # The sink-side record of the slices of a sliced `replace` that have committed their rows
 # to its staging table, beside dispatch_fence.
 SLICE_COMMIT_TABLE = "dispatch_slice_commit"
 # The receipt of every delivery, beside dispatch_fence: written in the data transaction,
 # so it commits with the rows or not at all (docs/connectors.md, "Receipts").
 RECEIPT_TABLE = "dispatch_receipt"
+RECEIPT_INDEX = "dispatch_receipt_binding_idx"
+# What `_raise_fence` makes when missing, beside the sink's table.
+FENCE_RELATIONS = ("dispatch_fence", "dispatch_cursor", RECEIPT_TABLE, RECEIPT_INDEX)
 # The column a binding may turn on (`attempt_column: true`) that names the attempt which
 # wrote each row: its default reads the data transaction's setting, so COPY fills it at
 # no cost per row, and rows written by anything else hold NULL.
@@ -98,6 +106,17 @@ class _Writer:
         self.digest: receipt.Digest | None = None
         self.receipt_committed: tuple[int, str | None] | None = None
         self.attempt_column = bool(spec.get("attempt_column"))
+        # Schema changes (schema_policy.py): what `_prepare` found and did, the columns
+        # loaded into the target (the source's less the ignored ones), and whether the
+        # rows go through the temporary staging table first.
+        self.schema_changes: list[dict[str, Any]] = []  # Change.as_json() of each
+        self._load: list[str] = []
+        self._via_stage = self.mode in KEYED_MODES
+        # mirror: the `deleted_column` (a soft delete); after commit(), the sink rows it
+        # deleted (absent from the snapshot or marked).
+        self.deleted_column: str | None = spec.get("deleted_column")
+        self.mirror_deleted = 0
+        self._marked = 0  # staged rows marked deleted
 
     # -- set-up --------------------------------------------------------------------------
     def open(self) -> None:
@@ -161,6 +180,15 @@ class _Writer:
                     " rows bigint NOT NULL, digest text, committed_at timestamptz NOT NULL)"
                 ).format(_table_sql(self.schema, RECEIPT_TABLE)),
             )
+            # For a binding's latest delivery into a table (`_previous_columns`).
+            sqlsafety.create_once(
+                conn,
+                RECEIPT_INDEX,
+                self.schema,
+                sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (binding_id, committed_at)").format(
+                    sql.Identifier(RECEIPT_INDEX), _table_sql(self.schema, RECEIPT_TABLE)
+                ),
+            )
         with conn.transaction():
             # ON CONFLICT DO UPDATE re-evaluates its WHERE on the newest committed version
             # of the row (after waiting for a concurrent commit that holds it), so a commit
@@ -201,10 +229,10 @@ class _Writer:
             " JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
             " WHERE n.nspname OPERATOR(pg_catalog.=) %s"
             " AND c.relname OPERATOR(pg_catalog.=) ANY (%s::pg_catalog.text[])",
-            [self.schema, ["dispatch_fence", "dispatch_cursor", RECEIPT_TABLE]],
+            [self.schema, list(FENCE_RELATIONS)],
         ).fetchone()
         self.conn.commit()
-        return bool(row and row[0] == 3)
+        return bool(row and row[0] == len(FENCE_RELATIONS))
 
     # -- the committed cursor of an incremental read (dispatch/connectors/incremental.py) --
     def cursor_state(self, inc: incremental.IncrementalSpec) -> incremental.CommittedCursor:
@@ -214,12 +242,18 @@ class _Writer:
         self._ready()
         if self.mode == "replace":
             raise PermanentError(
-                "incremental reads need an append or upsert sink: replace would keep only "
-                "the latest increment"
+                "incremental reads need an append or upsert sink (or mirror with "
+                "deleted_column): replace would keep only the latest increment"
             )
-        if inc.lookback_seconds is not None and self.mode != "upsert":
+        if inc.lookback_seconds is not None and self.mode not in KEYED_MODES:
             raise PermanentError(
                 "incremental.lookback_seconds re-reads rows, so it needs an upsert sink"
+            )
+        if self.mode == "mirror" and self.deleted_column is None:
+            raise PermanentError(
+                "mirror with incremental reads needs deleted_column: a cursor sees only the "
+                "rows that changed, so a row deleted from the source (a hard delete) is "
+                "invisible to it"
             )
         with _errors(self.secrets, "sink cursor", self._canceller):
             self._cursor_read = incremental.read_committed(
@@ -350,20 +384,51 @@ class _Writer:
             assert target is not None
         if self.attempt_column:
             self._ensure_attempt_column(table, target)
-        missing = [n for n in names if n not in target]
-        if missing:
-            raise PermanentError(
-                f"sink table {self.schema}.{self.name} has no column(s) {', '.join(missing)}"
-            )
-        if self.mode == "upsert":
-            absent = [k for k in self.spec["key"] if k not in names]
+        target = self._schema_policy(table, target)
+        self._load = [n for n in names if n in target]
+        ignored = [n for n in names if n not in target]
+        self._via_stage = self.mode in KEYED_MODES or bool(ignored)
+        if self.mode in KEYED_MODES:
+            absent = [k for k in self.spec["key"] if k not in self._load]
             if absent:
                 raise PermanentError(f"key column(s) {', '.join(absent)} not in the source")
             self._check_upsert_key()
-        self._target_types = {n: target[n][0] for n in names}
+        if self.deleted_column is not None and self.deleted_column not in self._load:
+            raise PermanentError(
+                f"deleted_column {self.deleted_column} is not a column of both the source "
+                f"and {self.schema}.{self.name}"
+            )
+        # An ignored column has no sink type: it is staged as text, and never loaded.
+        self._target_types = {n: target[n][0] if n in target else "text" for n in names}
         # Values bound for json/jsonb columns are serialised here: psycopg would dump a
         # Python list as a PostgreSQL array.
-        self._convert = [_json_text if target[n][0] in ("json", "jsonb") else None for n in names]
+        self._convert = [
+            _json_text if self._target_types[n] in ("json", "jsonb") else None for n in names
+        ]
+        if self.mode == "mirror":
+            # Like replace: other writers wait until we commit, so the table ends up
+            # holding exactly the source's rows; readers (ACCESS SHARE) never wait.
+            conn.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(table))
+        if self._via_stage:
+            # The staging table has exactly the sink's column types (text for an ignored
+            # column); it vanishes at commit.
+            conn.execute(
+                sql.SQL(
+                    "CREATE TEMPORARY TABLE {} ON COMMIT DROP AS SELECT {} FROM {} WITH NO DATA"
+                ).format(
+                    sql.Identifier(STAGE),
+                    sql.SQL(", ").join(
+                        [
+                            *map(sql.Identifier, self._load),
+                            *(
+                                sql.SQL("NULL::pg_catalog.text AS {}").format(sql.Identifier(n))
+                                for n in ignored
+                            ),
+                        ]
+                    ),
+                    table,
+                )
+            )
         if self.staged:
             pass  # the rows go to the staging table; the last slice replaces the target
         elif self.mode == "replace" and self.spec.get("truncate"):
@@ -382,17 +447,101 @@ class _Writer:
             # REPEATABLE READ reader whose snapshot predates our commit would see an empty
             # table) and both take ACCESS EXCLUSIVE. Readers see the old rows until COMMIT.
             conn.execute(sql.SQL("DELETE FROM {}").format(table))
-        elif self.mode == "upsert":
-            # The staging table has exactly the sink's column types; it vanishes at commit.
-            conn.execute(
-                sql.SQL(
-                    "CREATE TEMPORARY TABLE {} ON COMMIT DROP AS SELECT {} FROM {} WITH NO DATA"
-                ).format(
-                    sql.Identifier("dispatch_stage"),
-                    sql.SQL(", ").join(map(sql.Identifier, names)),
-                    table,
-                )
+
+    def _schema_policy(
+        self, table: sql.Composed, target: dict[str, tuple[str, int]]
+    ) -> dict[str, tuple[str, int]]:
+        """Compare the source's columns with the sink table's and apply the spec's
+        policies (schema_policy.py), in the data transaction: an added column or a widened
+        type commits with the rows or not at all. ALTER TABLE takes ACCESS EXCLUSIVE on
+        the table until COMMIT (every reader waits for the rest of the load), and waits at
+        most `lock_timeout` for the readers already there. Returns the target's columns
+        after the changes."""
+        assert self.conn is not None
+        conn = self.conn
+        where = f"{self.schema}.{self.name}"
+        names = {c.name for c in self.source_columns}
+        new = [c for c in self.source_columns if c.name not in target]
+        wider = [
+            c
+            for c in self.source_columns
+            if c.name in target and c.type and is_wider(target[c.name][0], c.type)
+        ]
+        on_new, on_type = policy(self.spec, "on_new_column"), policy(self.spec, "on_type_change")
+        if self.slice_of is not None and ((new and on_new != "fail") or wider):
+            raise PermanentError(
+                "a sliced run cannot change the sink table's columns (each slice commits on "
+                f"its own): {where} differs from the source"
             )
+        if new and on_new == "fail":
+            raise PermanentError(
+                f"sink table {where} has no column(s) {', '.join(c.name for c in new)} "
+                "(on_new_column: add to add them, ignore to leave them out)"
+            )
+        for c in wider:
+            if on_type != "widen":
+                raise PermanentError(
+                    f"column {c.name}: the source's type {c.type} does not fit the sink's "
+                    f"{target[c.name][0]} (on_type_change: widen to alter the sink column)"
+                )
+        outside = [n for n in target if n not in names and n != ATTEMPT_COLUMN]
+        if outside and policy(self.spec, "on_missing_column") == "fail":
+            raise PermanentError(
+                f"the source has no column(s) {', '.join(outside)} of sink table {where} "
+                "(on_missing_column: null to leave them to their default)"
+            )
+        changes: list[Change] = []
+        for c in wider:
+            assert c.type is not None
+            # Type text comes from the source server: one plain type name the sink knows.
+            type_text = sqlsafety.check_type_name(conn, c.name, c.type)
+            conn.execute(
+                sql.SQL("ALTER TABLE {} ALTER COLUMN {} TYPE {}").format(
+                    table,
+                    sql.Identifier(c.name),
+                    sql.SQL(type_text),  # type: ignore[arg-type]
+                ),
+                binary=True,  # the extended protocol: one statement, never several
+            )
+            changes.append(Change(c.name, "widened", type_text, target[c.name][0]))
+        for c in new:
+            if on_new == "ignore":
+                changes.append(Change(c.name, "ignored", c.type))
+                continue
+            type_text = sqlsafety.check_type_name(conn, c.name, c.type) if c.type else "text"
+            # IF NOT EXISTS: a writer of another binding that added it first (its lock
+            # made us wait) leaves it to us as it made it.
+            conn.execute(
+                sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
+                    table,
+                    sql.Identifier(c.name),
+                    sql.SQL(type_text),  # type: ignore[arg-type]
+                ),
+                binary=True,
+            )
+            changes.append(Change(c.name, "added", type_text))
+        if outside:
+            previous = set(self._previous_columns())
+            changes += [Change(n, "missing", target[n][0]) for n in outside if n in previous]
+        self.schema_changes = [ch.as_json() for ch in changes]
+        if any(ch.change in ("added", "widened") for ch in changes):
+            found = self._target_columns()
+            assert found is not None
+            return found
+        return target
+
+    def _previous_columns(self) -> list[str]:
+        """The columns the binding's latest delivery into this table wrote (its receipt),
+        for telling a column the source dropped from one the sink alone has."""
+        assert self.conn is not None
+        row = self.conn.execute(
+            sql.SQL(
+                "SELECT columns FROM {} WHERE binding_id = %s AND table_name = %s"
+                " ORDER BY committed_at DESC LIMIT 1"
+            ).format(_table_sql(self.schema, RECEIPT_TABLE)),
+            [self.ctx.fence.binding_id, f"{self.schema}.{self.name}"],
+        ).fetchone()
+        return list(row[0]) if row else []
 
     def _ensure_attempt_column(self, table: sql.Composed, target: dict[str, Any]) -> None:
         """`attempt_column: true`: the sink's `_dispatch_attempt` column (made if missing,
@@ -475,8 +624,8 @@ class _Writer:
         if self._copy is not None:
             return self._copy
         target: sql.Composable
-        if self.mode == "upsert":
-            target = sql.Identifier("dispatch_stage")
+        if self._via_stage:
+            target = sql.Identifier(STAGE)
         elif self.staged:
             assert self.slice_of is not None
             target = _table_sql(self.schema, staging_name(self.slice_of["parent"]))
@@ -542,6 +691,10 @@ class _Writer:
                 self.rows = copied  # the server's own count ("COPY n")
             if self.mode == "upsert" and self.rows:
                 self._merge()
+            elif self.mode == "mirror":
+                self._mirror()
+            elif self._via_stage and self.rows:
+                self._insert_staged()
             if self._cursor_new is not None and self._cursor_read is not None:
                 try:
                     self.cursor_committed = incremental.commit_cursor(
@@ -605,6 +758,14 @@ class _Writer:
                     f"the receipt counted {self.digest.rows} rows, the sink {self.rows}"
                 )
             digest = self.digest.hex()
+        # The digest hashes the rows as they streamed: it is the sink's only when every
+        # streamed column and row is loaded (no ignored column, no row marked deleted).
+        if len(self._load) != len(self.source_columns) or self.deleted_column is not None:
+            digest = None
+        rows = self.rows - self._marked
+        mode = self.mode
+        if mode == "mirror" and self._cursor_read is not None:
+            mode = "mirror incremental"  # not the whole table: not verifiable as one
         self.conn.execute(
             sql.SQL(
                 "INSERT INTO {} (run_id, binding_id, attempt_id, parent_id, table_name, mode,"
@@ -621,14 +782,14 @@ class _Writer:
                 fence.attempt_id,
                 self.slice_of["parent"] if self.slice_of is not None else None,
                 f"{self.schema}.{self.name}",
-                self.mode,
-                [c.name for c in self.source_columns],
+                mode,
+                self._load,
                 self.attempt_column,
-                self.rows,
+                rows,
                 digest,
             ],
         )
-        self.receipt_committed = (self.rows, digest)
+        self.receipt_committed = (rows, digest)
 
     # -- slices ------------------------------------------------------------------------------
     def _prepare_slices(self) -> None:
@@ -742,9 +903,91 @@ class _Writer:
                 [parent],
             )
 
-    def _merge(self) -> None:
+    def _insert_staged(self) -> None:
+        """The staged rows into the target, less the ignored columns (append, replace)."""
         assert self.conn is not None
-        names = [c.name for c in self.source_columns]
+        cols = sql.SQL(", ").join(map(sql.Identifier, self._load))
+        self.conn.execute(
+            sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {}").format(
+                _table_sql(self.schema, self.name), cols, cols, sql.Identifier(STAGE)
+            )
+        )
+
+    def _deleted(self, alias: str) -> sql.Composable:
+        """The condition of a staged row marked deleted (`deleted_column`): true for a
+        boolean column, set (not NULL) for any other type."""
+        assert self.deleted_column is not None
+        column = sql.Identifier(alias, self.deleted_column)
+        if self._target_types.get(self.deleted_column) == "boolean":
+            return sql.SQL("{} IS TRUE").format(column)
+        return sql.SQL("{} IS NOT NULL").format(column)
+
+    def _mirror(self) -> None:
+        """`mirror`, in the data transaction before the fence: the target becomes the
+        source's snapshot. The staged rows (a temporary table on the sink's server, so the
+        worker's memory stays flat whatever the row count) are upserted, less those marked
+        deleted; then the target's rows whose key is not among the staged live rows are
+        deleted (an anti-join). An incremental read holds only the rows that changed, so
+        there only the rows marked deleted are deleted (hard deletes are invisible to a
+        cursor). The table is locked SHARE ROW EXCLUSIVE since `_prepare`."""
+        assert self.conn is not None
+        conn = self.conn
+        key = list(self.spec["key"])
+        stage = sql.Identifier(STAGE)
+        table = _table_sql(self.schema, self.name)
+        # A NULL key matches nothing: its row would be inserted, then deleted as absent.
+        null_key = conn.execute(
+            sql.SQL("SELECT 1 FROM {} WHERE {} LIMIT 1").format(
+                stage,
+                sql.SQL(" OR ").join(sql.SQL("{} IS NULL").format(sql.Identifier(k)) for k in key),
+            )
+        ).fetchone()
+        if null_key is not None:
+            raise PermanentError(f"mirror: a source row has a NULL key ({', '.join(key)})")
+        # Temporary tables are never analyzed by autovacuum: without statistics the
+        # planner may pick a nested loop for the joins below.
+        conn.execute(sql.SQL("ANALYZE {}").format(stage))
+        match = sql.SQL(" AND ").join(
+            sql.SQL("{} = {}").format(sql.Identifier("t", k), sql.Identifier("s", k)) for k in key
+        )
+        incremental_read = self._cursor_read is not None
+        deleted = 0
+        if self.deleted_column is not None:
+            row = conn.execute(
+                sql.SQL("SELECT pg_catalog.count(*) FROM {} AS s WHERE {}").format(
+                    stage, self._deleted("s")
+                )
+            ).fetchone()
+            self._marked = int(row[0]) if row else 0
+        if self.deleted_column is not None and incremental_read:
+            deleted += conn.execute(
+                sql.SQL("DELETE FROM {} AS t USING {} AS s WHERE {} AND {}").format(
+                    table, stage, match, self._deleted("s")
+                )
+            ).rowcount
+        live = (
+            sql.SQL("NOT ({})").format(self._deleted("s"))
+            if self.deleted_column is not None
+            else None
+        )
+        if self.rows:
+            self._merge(live)
+        if not incremental_read:
+            deleted += conn.execute(
+                sql.SQL(
+                    "DELETE FROM {} AS t WHERE NOT EXISTS (SELECT FROM {} AS s WHERE {}{})"
+                ).format(
+                    table,
+                    stage,
+                    match,
+                    sql.SQL(" AND {}").format(live) if live is not None else sql.SQL(""),
+                )
+            ).rowcount
+        self.mirror_deleted = deleted
+
+    def _merge(self, where: sql.Composable | None = None) -> None:
+        assert self.conn is not None
+        names = self._load
         key = list(self.spec["key"])
         others = [n for n in names if n not in key]
         action = (
@@ -760,22 +1003,23 @@ class _Writer:
         cols = sql.SQL(", ").join(map(sql.Identifier, names))
         try:
             self.conn.execute(
-                sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} ON CONFLICT ({}) {}").format(
+                sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} AS s{} ON CONFLICT ({}) {}").format(
                     _table_sql(self.schema, self.name),
                     cols,
                     cols,
-                    sql.Identifier("dispatch_stage"),
+                    sql.Identifier(STAGE),
+                    sql.SQL(" WHERE {}").format(where) if where is not None else sql.SQL(""),
                     sql.SQL(", ").join(map(sql.Identifier, key)),
                     action,
                 )
             )
         except psycopg.errors.CardinalityViolation:
             raise PermanentError(
-                f"upsert: the source holds the same key ({', '.join(key)}) more than once"
+                f"{self.mode}: the source holds the same key ({', '.join(key)}) more than once"
             ) from None
         except psycopg.errors.InvalidColumnReference:
             raise PermanentError(
-                f"upsert: {self.schema}.{self.name} has no unique index or constraint on "
+                f"{self.mode}: {self.schema}.{self.name} has no unique index or constraint on "
                 f"({', '.join(key)})"
             ) from None
 

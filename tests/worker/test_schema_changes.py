@@ -1,0 +1,131 @@
+"""Schema changes through a real worker: the DDL a policy applies commits with the rows or
+not at all (docs/connectors.md, "Schema changes").
+
+The sink's rows reference a gate row; a session holding that row FOR UPDATE stops the
+worker's COPY, which comes after the ALTER TABLE in the same transaction. The worker is
+SIGKILLed there: neither the column nor a row may be left in the sink, and the retry adds
+both and records the change on its attempt."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from dispatch.models import Attempt, Datasource, Run
+from dispatch.states import Reason, Status
+from tests.support import factories
+from tests.support.connectors import ScratchDB, connect, scratch_db
+from tests.support.processes import Processes, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+ROWS = 2000
+
+
+@pytest.fixture
+def src_db() -> Iterator[ScratchDB]:
+    yield from scratch_db("dispatch_schema_src")
+
+
+@pytest.fixture
+def dst_db() -> Iterator[ScratchDB]:
+    yield from scratch_db("dispatch_schema_dst")
+
+
+def _sink_columns(dst: ScratchDB) -> list[str]:
+    return [
+        r[0]
+        for r in dst.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = 'copy'::regclass"
+            " AND attnum > 0 AND NOT attisdropped ORDER BY attnum"
+        )
+    ]
+
+
+def _waiting_on(dst: ScratchDB, holder: psycopg.Connection[Any]) -> list[int]:
+    return [
+        r[0]
+        for r in dst.execute(
+            "SELECT pid FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+            [holder.info.backend_pid],
+        )
+    ]
+
+
+def test_schema_change__killed_between_the_ddl_and_the_commit_leaves_neither(
+    src_db: ScratchDB, dst_db: ScratchDB, processes: Processes
+) -> None:
+    src_db.execute("CREATE TABLE items (id bigint PRIMARY KEY, gate text, extra numeric(8,2))")
+    src_db.execute(
+        "INSERT INTO items SELECT i, CASE WHEN i > 1500 THEN 'b' ELSE 'a' END, i / 4.0"
+        " FROM generate_series(1, %s) i",
+        [ROWS],
+    )
+    dst_db.execute("CREATE TABLE gate (name text PRIMARY KEY)")
+    dst_db.execute("INSERT INTO gate VALUES ('a'), ('b')")
+    dst_db.execute("CREATE TABLE copy (id bigint, gate text REFERENCES gate)")
+    source = Datasource(name="schema-src", kind="postgresql", config=src_db.config)
+    source.save()
+    sink = Datasource(name="schema-sink", kind="postgresql", config=dst_db.config)
+    sink.save()
+    job = factories.JobFactory(
+        source_spec={"table": "items"},
+        sink_spec={"table": "copy", "mode": "append", "on_new_column": "add"},
+        lease_seconds=2,
+        max_attempts=5,
+        backoff_seconds=0,
+    )
+    binding = factories.BindingFactory(job=job, source=source, sink=sink)
+    holder = connect(dst_db.name, autocommit=False)
+    try:
+        holder.execute("SELECT 1 FROM gate WHERE name = 'b' FOR UPDATE")
+        run = factories.trigger(binding)
+        doomed = processes.worker("--worker-id", "doomed")
+        wait_until(lambda: _waiting_on(dst_db, holder), timeout=60, message="the COPY waits")
+        # The ALTER TABLE is done, uncommitted, in the waiting transaction: it holds the
+        # table ACCESS EXCLUSIVE.
+        [(mode,)] = dst_db.execute(
+            "SELECT mode FROM pg_locks WHERE relation = 'copy'::regclass AND pid = %s"
+            " AND granted AND mode = 'AccessExclusiveLock'",
+            [_waiting_on(dst_db, holder)[0]],
+        )
+        assert mode == "AccessExclusiveLock"
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait(10)
+        for pid in _waiting_on(dst_db, holder):
+            dst_db.execute("SELECT pg_terminate_backend(%s)", [pid])
+    finally:
+        holder.rollback()
+        holder.close()
+    wait_until(
+        lambda: (
+            not dst_db.execute(
+                "SELECT 1 FROM pg_locks WHERE relation = 'copy'::regclass AND mode ="
+                " 'AccessExclusiveLock'"
+            )
+        ),
+        timeout=30,
+        message="the killed session's transaction rolled back",
+    )
+    assert _sink_columns(dst_db) == ["id", "gate"]  # no column added
+    assert dst_db.execute("SELECT count(*) FROM copy") == [(0,)]  # no row either
+    processes.worker("--worker-id", "successor")
+    wait_until(
+        lambda: Run.objects.filter(pk=run.pk, status=Status.SUCCEEDED).exists(),
+        timeout=60,
+        message="the successor completes the run",
+    )
+    assert _sink_columns(dst_db) == ["id", "gate", "extra"]
+    assert dst_db.execute("SELECT count(*), count(DISTINCT id), sum(extra) FROM copy") == [
+        (ROWS, ROWS, src_db.execute("SELECT sum(extra) FROM items")[0][0])
+    ]
+    attempts = list(Attempt.objects.filter(run=run).order_by("number"))
+    first, last = attempts[0], attempts[-1]
+    assert first.status == Status.RETRY_SCHEDULED and first.reason == Reason.LEASE_EXPIRED
+    assert first.schema_changes is None
+    assert last.status == Status.SUCCEEDED
+    assert last.schema_changes == [{"column": "extra", "change": "added", "type": "numeric(8,2)"}]
