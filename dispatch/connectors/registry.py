@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from functools import cache
 
 from django.core.exceptions import ImproperlyConfigured
@@ -16,6 +17,9 @@ BUILTIN = [
     "dispatch.connectors.postgresql.PostgreSQLConnector",
     "dispatch.connectors.csv.CSVConnector",
 ]
+# With the `mysql` extra (its driver, PyMySQL) installed.
+if importlib.util.find_spec("pymysql") is not None:
+    BUILTIN.append("dispatch.connectors.mysql.MySQLConnector")
 
 
 class UnknownKind(LookupError):

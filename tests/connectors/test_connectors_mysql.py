@@ -1,0 +1,350 @@
+"""The `mysql` connector against the tests' own MariaDB server (tests/support/mariadb.py)
+and scratch PostgreSQL databases: types both ways, copies, the fence, incremental reads,
+least privilege and cancellation."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import threading
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from django.core.exceptions import ValidationError
+
+from dispatch.connectors.base import FenceRejected, PermanentError, TransientError
+from dispatch.connectors.mysql import MySQLConnector
+from dispatch.connectors.postgresql import PostgreSQLConnector
+from tests.support.connectors import Ctx, Fence, ScratchDB, run_transfer, scratch_db
+from tests.support.mariadb import MyDB
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MY, PG = MySQLConnector, PostgreSQLConnector
+
+
+@pytest.fixture
+def pg(django_db_setup: Any) -> Iterator[ScratchDB]:
+    yield from scratch_db("dispatch_mysql_pg")
+
+
+ALL_TYPES = """CREATE TABLE alltypes (
+  id INT PRIMARY KEY, ti TINYINT, tiu TINYINT UNSIGNED, si SMALLINT, siu SMALLINT UNSIGNED,
+  mi MEDIUMINT, mu MEDIUMINT UNSIGNED, i INT, iu INT UNSIGNED, bi BIGINT, bu BIGINT UNSIGNED,
+  dec_big DECIMAL(65,30), dec_small DECIMAL(5,2), f FLOAT, d DOUBLE, b1 BIT(1), b12 BIT(12),
+  c CHAR(3), vc VARCHAR(20), tt TINYTEXT, tx TEXT, mt MEDIUMTEXT, lt LONGTEXT,
+  bn BINARY(4), vb VARBINARY(10), bl BLOB, lb LONGBLOB, j JSON, e ENUM('a','b','c'),
+  st SET('x','y','z'), dd DATE, dtm DATETIME(6), ts TIMESTAMP(3) NULL, tm TIME(6), yr YEAR,
+  bo BOOLEAN
+) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"""
+
+AWKWARD = (
+    1, -128, 255, -32768, 65535, -8388608, 16777215, -2147483648, 4294967295,
+    -9223372036854775808, 18446744073709551615,
+    "12345678901234567890123456789012345.123456789012345678901234567890", "-999.99",
+    1.5, 2.2250738585072014e-308, 1, 4095,
+    "abc", "😀 utf8mb4 ✓", "tiny", "text", "medium", "x" * 100_000,
+    b"\x00\x01\xfe\xff", b"\x00", b"\xde\xad", bytes(range(256)) * 10,
+    '{"k": [1, 2.5, "😀", null], "n": {"deep": true}}', "b", "x,z",
+    "1000-01-01", "9999-12-31 23:59:59.999999", "2038-01-19 03:14:07.499", "-838:59:59.000000",
+    2155, 1,
+)  # fmt: skip
+
+
+def _seed_all_types(my: MyDB) -> None:
+    my.execute(ALL_TYPES)
+    my.execute(f"INSERT INTO alltypes VALUES ({', '.join(['%s'] * len(AWKWARD))})", AWKWARD)
+    my.execute("INSERT INTO alltypes (id) VALUES (2)")  # every other column NULL
+
+
+def test_types__mysql_to_postgresql_and_back_value_by_value(mydb: MyDB, pg: ScratchDB) -> None:
+    _seed_all_types(mydb)
+    result = run_transfer(
+        MY, mydb.config, {"table": "alltypes"}, PG, pg.config, {"table": "t", "create": True}
+    )
+    assert result.rows_written == 2
+    types = dict(
+        pg.execute(
+            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute"
+            " WHERE attrelid = 't'::regclass AND attnum > 0"
+        )
+    )
+    assert types["bu"] == "numeric(20,0)" and types["iu"] == "bigint"
+    assert types["dec_big"] == "numeric(65,30)" and types["b12"] == "bit(12)"
+    assert types["j"] == "jsonb" and types["st"] == "text[]" and types["e"] == "text"
+    assert types["ts"] == "timestamp(3) with time zone" and types["tm"] == "interval"
+    assert types["dtm"] == "timestamp(6) without time zone" and types["lb"] == "bytea"
+    row = pg.execute("SELECT * FROM t WHERE id = 1")[0]
+    names = [r[0] for r in pg.execute(
+        "SELECT attname FROM pg_attribute WHERE attrelid = 't'::regclass AND attnum > 0"
+        " ORDER BY attnum"
+    )]  # fmt: skip
+    got = dict(zip(names, row, strict=True))
+    assert got["bu"] == Decimal(2**64 - 1) and got["bi"] == -(2**63)
+    assert got["dec_big"] == Decimal(AWKWARD[11]) and got["dec_small"] == Decimal("-999.99")
+    assert got["b1"] == "1" and got["b12"] == "111111111111"
+    assert got["vc"] == "😀 utf8mb4 ✓" and got["lt"] == "x" * 100_000
+    assert bytes(got["bn"]) == b"\x00\x01\xfe\xff" and bytes(got["lb"]) == bytes(range(256)) * 10
+    assert got["j"] == {"k": [1, 2.5, "😀", None], "n": {"deep": True}}
+    assert got["e"] == "b" and got["st"] == ["x", "z"]
+    assert got["dd"] == dt.date(1000, 1, 1)
+    assert got["dtm"] == dt.datetime(9999, 12, 31, 23, 59, 59, 999999)
+    assert got["ts"] == dt.datetime(2038, 1, 19, 3, 14, 7, 499000, tzinfo=dt.UTC)
+    assert got["tm"] == -dt.timedelta(hours=838, minutes=59, seconds=59)
+    assert got["yr"] == 2155 and got["bo"] == 1
+    assert all(v is None for k, v in zip(names, pg.execute("SELECT * FROM t WHERE id = 2")[0],
+                                          strict=True) if k != "id")  # fmt: skip
+
+    # And back: PostgreSQL -> a created MySQL table, then compared with the original.
+    result = run_transfer(
+        PG, pg.config, {"table": "t"}, MY, mydb.config, {"table": "back", "create": True}
+    )
+    assert result.rows_written == 2
+    cols = ", ".join("CAST(tm AS CHAR)" if n == "tm" else n for n in names)
+    original = mydb.execute(f"SELECT {cols} FROM alltypes ORDER BY id")
+    back = mydb.execute(f"SELECT {cols} FROM back ORDER BY id")
+    for (o_row, b_row) in zip(original, back, strict=True):
+        for name, o, b in zip(names, o_row, b_row, strict=True):
+            if name == "st":
+                assert b is None if o is None else json.loads(b) == ["x", "z"], name
+            elif name == "j":
+                assert (o is None and b is None) or json.loads(o) == json.loads(b), name
+            elif name == "bn":
+                assert o == b, name
+            else:
+                assert o == b, (name, o, b)
+
+
+def test_types__postgresql_values_mysql_cannot_hold_fail_naming_the_column(
+    mydb: MyDB, pg: ScratchDB
+) -> None:
+    mydb.execute("CREATE TABLE narrow (id INT PRIMARY KEY, d DATETIME, n DECIMAL(5,2))")
+    cases = [
+        ("SELECT g AS id, DATE '2000-01-01' + g AS d, 1.5 AS n FROM generate_series(1, 20000) g"
+         " UNION ALL SELECT 20001, timestamp '0500-01-01', 1", "'d'", "outside the years"),
+        ("SELECT g AS id, NULL::timestamp AS d, 1.5 AS n FROM generate_series(1, 20000) g"
+         " UNION ALL SELECT 20001, NULL, 1234.5", "'n'", "integer digits"),
+        ("SELECT 1 AS id, NULL::timestamp AS d, 1.234 AS n", "'n'", "decimal places"),
+    ]  # fmt: skip
+    for query, column, why in cases:
+        with pytest.raises(PermanentError) as err:
+            run_transfer(
+                PG, pg.config, {"query": query}, MY, mydb.config, {"table": "narrow"}
+            )
+        assert f"sink column {column}" in str(err.value) and why in str(err.value)
+        assert mydb.execute("SELECT COUNT(*) FROM narrow") == [(0,)]  # nothing committed
+
+
+def test_types__a_zero_date_and_a_too_large_unsigned_fail_naming_the_column(
+    mydb: MyDB, pg: ScratchDB
+) -> None:
+    mydb.execute("SET SESSION sql_mode = ''")
+    mydb.execute("CREATE TABLE z (id INT, d DATE)")
+    conn = mydb.server.root(database=mydb.name)
+    with conn.cursor() as cur:
+        cur.execute("SET SESSION sql_mode = ''")
+        cur.execute("INSERT INTO z VALUES (1, '2020-01-01'), (2, '0000-00-00')")
+    conn.close()
+    with pytest.raises(PermanentError, match="source column 'd'.*0000-00-00"):
+        run_transfer(MY, mydb.config, {"table": "z"}, PG, pg.config, {"table": "z", "create": True})
+    assert pg.execute("SELECT to_regclass('z') IS NULL") == [(True,)]  # not even created
+
+    mydb.execute("CREATE TABLE u (id INT, big BIGINT UNSIGNED)")
+    mydb.execute("INSERT INTO u VALUES (1, 5), (2, 9223372036854775808)")
+    pg.execute("CREATE TABLE u (id int, big bigint)")
+    with pytest.raises(PermanentError, match="bigint"):
+        run_transfer(MY, mydb.config, {"table": "u"}, PG, pg.config, {"table": "u"})
+    assert pg.execute("SELECT count(*) FROM u") == [(0,)]
+
+
+def test_copy__100000_rows_each_way(mydb: MyDB, pg: ScratchDB) -> None:
+    pg.execute(
+        "CREATE TABLE src AS SELECT g AS id, 'name-' || g AS name, (g * 1.25)::numeric(12,2)"
+        " AS amount, timestamptz '2024-01-01' + g * interval '1 second' AS at"
+        " FROM generate_series(1, 100000) g"
+    )
+    result = run_transfer(
+        PG, pg.config, {"table": "src"}, MY, mydb.config, {"table": "dst", "create": True}
+    )
+    assert result.rows_written == 100_000
+    assert mydb.execute("SELECT COUNT(*), SUM(id), SUM(amount), MAX(at) FROM dst") == [
+        (100_000, Decimal(5000050000), Decimal("6250062500.00"), dt.datetime(2024, 1, 2, 3, 46, 40))
+    ]
+    result = run_transfer(
+        MY, mydb.config, {"table": "dst"}, PG, pg.config, {"table": "again", "create": True}
+    )
+    assert result.rows_written == 100_000
+    assert pg.execute(
+        "SELECT count(*), sum(id), sum(amount), max(at) FROM again"
+    ) == [(100_000, 5000050000, Decimal("6250062500.00"), dt.datetime(2024, 1, 2, 3, 46, 40))]
+
+
+def test_sink_modes__replace_and_upsert(mydb: MyDB, pg: ScratchDB) -> None:
+    mydb.execute("CREATE TABLE m (id INT PRIMARY KEY, v VARCHAR(10), other INT DEFAULT 7)")
+    mydb.execute("INSERT INTO m VALUES (1, 'old', 1), (9, 'gone', 9)")
+    query = {"query": "SELECT g AS id, 'new' || g AS v FROM generate_series(1, 3) g"}
+    run_transfer(PG, pg.config, query, MY, mydb.config, {"table": "m", "mode": "upsert", "key": ["id"]})
+    # Upsert updates the source's columns only: `other` keeps its value (REPLACE would not).
+    assert mydb.execute("SELECT * FROM m ORDER BY id") == [
+        (1, "new1", 1), (2, "new2", 7), (3, "new3", 7), (9, "gone", 9)
+    ]  # fmt: skip
+    run_transfer(PG, pg.config, query, MY, mydb.config, {"table": "m", "mode": "replace"})
+    assert mydb.execute("SELECT id FROM m ORDER BY id") == [(1,), (2,), (3,)]
+    with pytest.raises(PermanentError, match="no primary key or unique index"):
+        run_transfer(PG, pg.config, query, MY, mydb.config,
+                     {"table": "m", "mode": "upsert", "key": ["v"]})  # fmt: skip
+
+
+def test_fence__a_stale_attempt_commit_is_refused(mydb: MyDB, pg: ScratchDB) -> None:
+    mydb.execute("CREATE TABLE f (id INT)")
+    stale = Ctx(fence=Fence(token=1))
+    with MY.open_writer(mydb.config, {"table": "f"}, stale, []) as writer:
+        writer.source_columns.append(type("C", (), {"name": "id", "type": "integer"})())
+        writer.write([(1,), (2,)])
+        # A successor raises the fence (token 2) and commits its rows first.
+        successor = Ctx(fence=Fence(run_id=stale.fence.run_id, token=2))
+        run_transfer(PG, pg.config, {"query": "SELECT 10 AS id"}, MY, mydb.config,
+                     {"table": "f"}, successor)  # fmt: skip
+        with pytest.raises(FenceRejected):
+            writer.commit()
+    assert mydb.execute("SELECT id FROM f") == [(10,)]
+    # A third attempt finds the run committed and writes nothing.
+    late = Ctx(fence=Fence(run_id=stale.fence.run_id, token=3))
+    result = run_transfer(PG, pg.config, {"query": "SELECT 11 AS id"}, MY, mydb.config,
+                          {"table": "f"}, late)  # fmt: skip
+    assert result.already_committed and mydb.execute("SELECT id FROM f") == [(10,)]
+
+
+def test_incremental__both_ways_exactly_once(mydb: MyDB, pg: ScratchDB) -> None:
+    mydb.execute("CREATE TABLE ev (id BIGINT UNSIGNED PRIMARY KEY, at DATETIME(6), v TEXT)")
+    mydb.execute(
+        "INSERT INTO ev VALUES (1, '2024-01-01 00:00:00.5', 'a'), (18446744073709551614,"
+        " '2024-01-02', 'b')"
+    )
+    spec = {"table": "ev", "incremental": {"cursor": ["id"]}}
+    binding = Fence().binding_id
+
+    def ctx() -> Ctx:
+        return Ctx(fence=Fence(binding_id=binding))
+
+    assert run_transfer(MY, mydb.config, spec, PG, pg.config,
+                        {"table": "ev", "create": True}, ctx()).rows_written == 2  # fmt: skip
+    assert run_transfer(MY, mydb.config, spec, PG, pg.config,
+                        {"table": "ev"}, ctx()).rows_written == 0  # fmt: skip
+    mydb.execute("INSERT INTO ev VALUES (18446744073709551615, '2024-01-03', 'c'), (5, NULL, 'd')")
+    # 5 is below the committed cursor: not read (an id cursor assumes ids only grow).
+    assert run_transfer(MY, mydb.config, spec, PG, pg.config,
+                        {"table": "ev"}, ctx()).rows_written == 1  # fmt: skip
+    assert pg.execute("SELECT id FROM ev ORDER BY id") == [
+        (1,), (18446744073709551614,), (18446744073709551615,)
+    ]
+
+    # PostgreSQL -> MySQL: the cursor lives in the MySQL sink, beside its fence.
+    pspec = {"table": "ev", "incremental": {"cursor": ["at", "id"]}}
+    binding2 = Fence().binding_id
+    c2 = Ctx(fence=Fence(binding_id=binding2))
+    assert run_transfer(PG, pg.config, pspec, MY, mydb.config,
+                        {"table": "copy", "create": True}, c2).rows_written == 3  # fmt: skip
+    stored = mydb.execute("SELECT columns, cursor_value, version FROM dispatch_cursor"
+                          " WHERE binding_id = %s", [str(binding2)])  # fmt: skip
+    assert json.loads(stored[0][0]) == ["at", "id"] and stored[0][2] == 1
+    assert json.loads(stored[0][1]) == ["2024-01-03 00:00:00", "18446744073709551615"]
+    pg.execute("INSERT INTO ev VALUES (7, '2024-01-04', 'e')")
+    c3 = Ctx(fence=Fence(binding_id=binding2))
+    assert run_transfer(PG, pg.config, pspec, MY, mydb.config, {"table": "copy"},
+                        c3).rows_written == 1  # fmt: skip
+    assert mydb.execute("SELECT id FROM copy ORDER BY at") == [
+        (1,), (18446744073709551614,), (18446744073709551615,), (7,)
+    ]
+
+
+def test_least_privilege__a_query_source_user_with_more_than_select_is_refused(
+    mydb: MyDB, pg: ScratchDB, settings: Any
+) -> None:
+    settings.DISPATCH_QUERY_SOURCE_LEAST_PRIVILEGE = True
+    mydb.execute("CREATE TABLE s (id INT)")
+    mydb.execute("INSERT INTO s VALUES (1)")
+    for user, grant in (
+        ("reader", f"GRANT SELECT ON `{mydb.name}`.* TO reader@'%'"),
+        ("filer", f"GRANT SELECT ON `{mydb.name}`.* TO filer@'%'"),
+        ("writer", f"GRANT SELECT, INSERT ON `{mydb.name}`.s TO writer@'%'"),
+    ):
+        mydb.execute(f"DROP USER IF EXISTS {user}@'%'")
+        mydb.execute(f"CREATE USER {user}@'%' IDENTIFIED BY 'pw-{user}'")
+        mydb.execute(grant)
+    mydb.execute("GRANT FILE, PROCESS ON *.* TO filer@'%'")
+    spec = {"query": "SELECT id FROM s"}
+    for user, refused in (("filer", "FILE, PROCESS"), ("writer", "INSERT")):
+        config = {**mydb.config, "user": user, "password": f"pw-{user}"}
+        with pytest.raises(PermanentError, match=refused) as err:
+            run_transfer(MY, config, spec, PG, pg.config, {"table": user, "create": True})
+        assert f"pw-{user}" not in str(err.value)
+    config = {**mydb.config, "user": "reader", "password": "pw-reader"}
+    assert run_transfer(MY, config, spec, PG, pg.config,
+                        {"table": "ok", "create": True}).rows_written == 1  # fmt: skip
+    # The table source of a privileged user is not a query: it runs.
+    config = {**mydb.config, "user": "writer", "password": "pw-writer"}
+    assert run_transfer(MY, config, {"table": "s"}, PG, pg.config,
+                        {"table": "ok2", "create": True}).rows_written == 1  # fmt: skip
+
+
+def test_cancel__a_stop_interrupts_a_running_sleep(mydb: MyDB) -> None:
+    ctx = Ctx()
+    spec = {"query": "SELECT SLEEP(60) AS s"}
+    mydb.execute(f"GRANT SELECT ON `{mydb.name}`.* TO reader2@'%' IDENTIFIED BY 'pw2'")
+    config = {**mydb.config, "user": "reader2", "password": "pw2"}
+    with MY.open_reader(config, spec, ctx) as reader:
+        done = threading.Event()
+        rows: list[Any] = []
+
+        def read() -> None:
+            try:
+                rows.extend(b for b in reader.batches())
+            except TransientError as exc:
+                rows.append(exc)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        # Wait until the server runs the SLEEP, then stop as the runner does.
+        conn = mydb.server.root()
+        try:
+            for _ in range(600):
+                with conn.cursor() as cur:
+                    cur.execute("SELECT COUNT(*) FROM information_schema.PROCESSLIST"
+                                " WHERE INFO LIKE 'SELECT SLEEP(60)%'")  # fmt: skip
+                    if cur.fetchone()[0]:
+                        break
+                done.wait(0.05)
+            for interrupt in list(ctx.interrupts):
+                interrupt()
+            assert done.wait(20), "the SLEEP(60) was not interrupted"
+        finally:
+            conn.close()
+        thread.join()
+    # KILL QUERY: the statement fails as interrupted (a transient error; the runner
+    # reports the stop's own cause).
+    assert len(rows) == 1 and "MySQL error 1317" in str(rows[0])
+
+
+def test_config__policy_and_validation() -> None:
+    with pytest.raises(ValidationError, match="port"):
+        MY.validate_config({"host": "db", "user": "u", "port": 70000})
+    with pytest.raises(ValidationError, match="tls"):
+        MY.validate_config({"host": "db", "user": "u", "tls": "sometimes"})
+    with pytest.raises(ValidationError, match="Unix-socket directory"):
+        MY.validate_config({"host": "/var/run/mysqld/mysqld.sock", "user": "u"})
+    with pytest.raises(ValidationError, match="one statement"):
+        MY.validate_source_spec({"query": "SELECT 1; DROP TABLE x"})
+    with pytest.raises(ValidationError, match="backticks"):
+        MY.validate_sink_spec({"table": "a`b"})
+
+
+def test_secrets__a_wrong_password_error_holds_no_secret(mydb: MyDB) -> None:
+    config = {**mydb.config, "password": "wrong-secret-XYZ"}
+    with pytest.raises(PermanentError) as err:
+        MY.test_connection(config)
+    assert "wrong-secret-XYZ" not in str(err.value) and "1045" in str(err.value)
