@@ -295,39 +295,39 @@ def test_cancel__a_stop_interrupts_a_running_sleep(mydb: MyDB) -> None:
     spec = {"query": "SELECT SLEEP(60) AS s"}
     mydb.execute(f"GRANT SELECT ON `{mydb.name}`.* TO reader2@'%' IDENTIFIED BY 'pw2'")
     config = {**mydb.config, "user": "reader2", "password": "pw2"}
-    with MY.open_reader(config, spec, ctx) as reader:
-        done = threading.Event()
-        rows: list[Any] = []
+    done = threading.Event()
+    outcome: list[Any] = []
 
-        def read() -> None:
-            try:
-                rows.extend(b for b in reader.batches())
-            except TransientError as exc:
-                rows.append(exc)
-            finally:
-                done.set()
-
-        thread = threading.Thread(target=read)
-        thread.start()
-        # Wait until the server runs the SLEEP, then stop as the runner does.
-        conn = mydb.server.root()
+    def read() -> None:
         try:
-            for _ in range(600):
-                with conn.cursor() as cur:
-                    cur.execute("SELECT COUNT(*) FROM information_schema.PROCESSLIST"
-                                " WHERE INFO LIKE 'SELECT SLEEP(60)%'")  # fmt: skip
-                    if cur.fetchone()[0]:
-                        break
-                done.wait(0.05)
-            for interrupt in list(ctx.interrupts):
-                interrupt()
-            assert done.wait(20), "the SLEEP(60) was not interrupted"
+            with MY.open_reader(config, spec, ctx) as reader:  # the query starts here
+                outcome.extend(reader.batches())
+        except TransientError as exc:
+            outcome.append(exc)
         finally:
-            conn.close()
-        thread.join()
+            done.set()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    # Wait until the server runs the SLEEP, then stop as the runner does.
+    conn = mydb.server.root()
+    try:
+        for _ in range(600):
+            with conn.cursor() as cur:
+                cur.execute("SELECT ID FROM information_schema.PROCESSLIST"
+                            " WHERE INFO LIKE 'SELECT SLEEP(60)%'")  # fmt: skip
+                if cur.fetchall():
+                    break
+            done.wait(0.05)
+        for interrupt in list(ctx.interrupts):
+            interrupt()
+        assert done.wait(20), "the SLEEP(60) was not interrupted"
+    finally:
+        conn.close()
+    thread.join()
     # KILL QUERY: the statement fails as interrupted (a transient error; the runner
     # reports the stop's own cause).
-    assert len(rows) == 1 and "MySQL error 1317" in str(rows[0])
+    assert len(outcome) == 1 and "MySQL error 1317" in str(outcome[0])
 
 
 def test_config__policy_and_validation() -> None:

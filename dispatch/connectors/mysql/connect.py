@@ -156,7 +156,7 @@ def _ssl(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def connect(
-    config: dict[str, Any], *, what: str, local_infile: bool = False, streaming: bool = False
+    config: dict[str, Any], *, what: str, local_infile: bool = False
 ) -> pymysql.connections.Connection[Any]:
     """A connection under the site's target policy: no option file is read (pymysql reads
     one only when asked), `local_infile` only when the caller asks for it (the writer of
@@ -174,7 +174,7 @@ def connect(
         "autocommit": False,
         "local_infile": local_infile,
         "binary_prefix": True,
-        "cursorclass": pymysql.cursors.SSCursor if streaming else pymysql.cursors.Cursor,
+        "cursorclass": pymysql.cursors.Cursor,
     }
     if host.startswith("/"):
         kwargs["unix_socket"] = host

@@ -132,6 +132,7 @@ class Reader:
         self._where: list[str] = []
         self._params: list[Any] = []
         self._order = ""
+        self._stream: Any = None
 
     def _relation(self, escaped: bool = False) -> str:
         """The table's or query's SELECT; `escaped` doubles its % signs, for a statement
@@ -148,7 +149,7 @@ class Reader:
         return strip_query(self.spec["query"])
 
     def open(self) -> None:
-        self.conn = connect(self.config, what="source connect", streaming=True)
+        self.conn = connect(self.config, what="source connect")
         with errors(self.secrets, "source"):
             info = session(self.conn, self.spec, read_only=True)
             self._interrupter.attach(info["thread_id"])
@@ -157,19 +158,29 @@ class Reader:
                 self.conn.commit()
             with self.conn.cursor(pymysql.cursors.Cursor) as cur:
                 cur.execute("START TRANSACTION WITH CONSISTENT SNAPSHOT, READ ONLY")
-                cur.execute(f"SELECT * FROM ({self._relation()}) AS q LIMIT 0")  # noqa: S608
-                fields = list(cur._result.fields) if cur._result else []
-                names = [f.name for f in fields]
-                column_types = [_wire_type(f) for f in fields]
                 if self.spec.get("table"):
-                    column_types = self._declared_types(cur, names, column_types)
+                    declared = self._declared(cur)
+                if self.incremental is not None:
+                    # Described without its rows (a derived table the server may still
+                    # evaluate: a slow query runs twice).
+                    cur.execute(f"SELECT * FROM ({self._relation()}) AS q LIMIT 0")  # noqa: S608
+                    fields = list(cur._result.fields) if cur._result else []
+            if self.incremental is None:
+                # The read itself starts here: its result's columns come before its rows.
+                self._stream = self.conn.cursor(pymysql.cursors.SSCursor)
+                self._stream.execute(self._relation())
+                fields = list(self._stream._result.fields) if self._stream._result else []
+            names = [f.name for f in fields]
+            column_types = [_wire_type(f) for f in fields]
+            if self.spec.get("table"):
+                column_types = [declared.get(n, w) for n, w in zip(names, column_types, strict=True)]
         self.mysql_types = [types.MySQLType(t) for t in column_types]
         self.columns = [
             Column(n, t.pg_type()) for n, t in zip(names, self.mysql_types, strict=True)
         ]
         self._convert = [t.reader(n) for n, t in zip(names, self.mysql_types, strict=True)]
 
-    def _declared_types(self, cur: Any, names: list[str], wire: list[str]) -> list[str]:
+    def _declared(self, cur: Any) -> dict[str, str]:
         """A table's columns as declared (COLUMN_TYPE), with MariaDB's JSON (a LONGTEXT
         with a json_valid() check) named json."""
         database, name = parse_table(self.spec["table"])
@@ -184,17 +195,11 @@ class Reader:
             " WHERE CONSTRAINT_SCHEMA = COALESCE(%s, DATABASE()) AND TABLE_NAME = %s",
             [database, name],
         )
-        json_columns = set()
         for (clause,) in cur.fetchall():
             for found in _JSON_CHECK.findall(str(clause)):
-                json_columns.add(found)
-        out = []
-        for n, w in zip(names, wire, strict=True):
-            t = declared.get(n, w)
-            if n in json_columns and t.lower() == "longtext":
-                t = "json"
-            out.append(t)
-        return out
+                if declared.get(found, "").lower() == "longtext":
+                    declared[found] = "json"
+        return declared
 
     # -- incremental ----------------------------------------------------------------------
     def _cast(self, i: int) -> str:
@@ -297,12 +302,19 @@ class Reader:
         convert = list(enumerate(self._convert))
         convert = [(i, f) for i, f in convert if f is not None]
         with errors(self.secrets, "source read"):
-            cur = self.conn.cursor(pymysql.cursors.SSCursor)
-            try:
+            # Unbuffered: the server streams the result as it is fetched, BATCH_ROWS at a
+            # time, so memory stays flat whatever the table's size.
+            finished = False
+            if self._stream is not None:
+                cur, self._stream = self._stream, None
+            else:
+                cur = self.conn.cursor(pymysql.cursors.SSCursor)
                 cur.execute(statement, params or None)
+            try:
                 while True:
                     rows = cur.fetchmany(BATCH_ROWS)
                     if not rows:
+                        finished = True
                         break
                     if convert:
                         out: Batch = []
@@ -315,12 +327,31 @@ class Reader:
                     else:
                         yield list(rows)
             finally:
-                cur.close()
+                if finished:
+                    cur.close()
+                else:
+                    self._abandon(cur)
+
+    def _abandon(self, cur: Any) -> None:
+        """A read left before its end (a stop, the sink's failure): the rest of the
+        result is not drained (that would read the whole table); the statement is killed
+        and the connection dropped."""
+        result = getattr(cur, "_result", None)
+        if result is not None:
+            result.unbuffered_active = False
+        cur._result = None
+        if self.conn is not None:
+            self._interrupter.interrupt()
+            conn, self.conn = self.conn, None
+            conn._force_close()
 
     def interrupt(self) -> None:
         self._interrupter.interrupt()
 
     def close(self) -> None:
+        if self._stream is not None:  # opened, never read (the run was already committed)
+            stream, self._stream = self._stream, None
+            self._abandon(stream)
         self._interrupter.close()
         if self.conn is not None:
             conn, self.conn = self.conn, None
