@@ -27,9 +27,11 @@ DEFAULT_PORT = 33071
 def find() -> str | None:
     """The server binary, or None when MariaDB is not installed."""
     for path in (SERVER, shutil.which("mariadbd") or ""):
-        if path and Path(path).exists() and (Path(INSTALL_DB).exists() or shutil.which(
-            "mariadb-install-db"
-        )):
+        if (
+            path
+            and Path(path).exists()
+            and (Path(INSTALL_DB).exists() or shutil.which("mariadb-install-db"))
+        ):
             return path
     return None
 
@@ -72,9 +74,7 @@ class MariaDB:
     def start(self, timeout: float = 60.0) -> None:
         server = find()
         if server is None:
-            raise FileNotFoundError(
-                "MariaDB is not installed (apt-get install -y mariadb-server)"
-            )
+            raise FileNotFoundError("MariaDB is not installed (apt-get install -y mariadb-server)")
         self.directory.mkdir(parents=True, exist_ok=True)
         install = shutil.which("mariadb-install-db") or INSTALL_DB
         subprocess.run(
@@ -135,9 +135,7 @@ class MariaDB:
         """A connection as root over the Unix socket (administration only)."""
         import pymysql
 
-        return pymysql.connect(
-            unix_socket=str(self.socket), user="root", autocommit=True, **kwargs
-        )
+        return pymysql.connect(unix_socket=str(self.socket), user="root", autocommit=True, **kwargs)
 
     def config(self, database: str, **extra: Any) -> dict[str, Any]:
         """A `mysql` datasource config for `database` as the admin user."""

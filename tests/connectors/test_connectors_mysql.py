@@ -105,7 +105,7 @@ def test_types__mysql_to_postgresql_and_back_value_by_value(mydb: MyDB, pg: Scra
     cols = ", ".join("CAST(tm AS CHAR)" if n == "tm" else n for n in names)
     original = mydb.execute(f"SELECT {cols} FROM alltypes ORDER BY id")
     back = mydb.execute(f"SELECT {cols} FROM back ORDER BY id")
-    for (o_row, b_row) in zip(original, back, strict=True):
+    for o_row, b_row in zip(original, back, strict=True):
         for name, o, b in zip(names, o_row, b_row, strict=True):
             if name == "st":
                 assert b is None if o is None else json.loads(b) == ["x", "z"], name
@@ -130,9 +130,7 @@ def test_types__postgresql_values_mysql_cannot_hold_fail_naming_the_column(
     ]  # fmt: skip
     for query, column, why in cases:
         with pytest.raises(PermanentError) as err:
-            run_transfer(
-                PG, pg.config, {"query": query}, MY, mydb.config, {"table": "narrow"}
-            )
+            run_transfer(PG, pg.config, {"query": query}, MY, mydb.config, {"table": "narrow"})
         assert f"sink column {column}" in str(err.value) and why in str(err.value)
         assert mydb.execute("SELECT COUNT(*) FROM narrow") == [(0,)]  # nothing committed
 
@@ -176,16 +174,18 @@ def test_copy__100000_rows_each_way(mydb: MyDB, pg: ScratchDB) -> None:
         MY, mydb.config, {"table": "dst"}, PG, pg.config, {"table": "again", "create": True}
     )
     assert result.rows_written == 100_000
-    assert pg.execute(
-        "SELECT count(*), sum(id), sum(amount), max(at) FROM again"
-    ) == [(100_000, 5000050000, Decimal("6250062500.00"), dt.datetime(2024, 1, 2, 3, 46, 40))]
+    assert pg.execute("SELECT count(*), sum(id), sum(amount), max(at) FROM again") == [
+        (100_000, 5000050000, Decimal("6250062500.00"), dt.datetime(2024, 1, 2, 3, 46, 40))
+    ]
 
 
 def test_sink_modes__replace_and_upsert(mydb: MyDB, pg: ScratchDB) -> None:
     mydb.execute("CREATE TABLE m (id INT PRIMARY KEY, v VARCHAR(10), other INT DEFAULT 7)")
     mydb.execute("INSERT INTO m VALUES (1, 'old', 1), (9, 'gone', 9)")
     query = {"query": "SELECT g AS id, 'new' || g AS v FROM generate_series(1, 3) g"}
-    run_transfer(PG, pg.config, query, MY, mydb.config, {"table": "m", "mode": "upsert", "key": ["id"]})
+    run_transfer(
+        PG, pg.config, query, MY, mydb.config, {"table": "m", "mode": "upsert", "key": ["id"]}
+    )
     # Upsert updates the source's columns only: `other` keeps its value (REPLACE would not).
     assert mydb.execute("SELECT * FROM m ORDER BY id") == [
         (1, "new1", 1), (2, "new2", 7), (3, "new3", 7), (9, "gone", 9)
@@ -238,7 +238,9 @@ def test_incremental__both_ways_exactly_once(mydb: MyDB, pg: ScratchDB) -> None:
     assert run_transfer(MY, mydb.config, spec, PG, pg.config,
                         {"table": "ev"}, ctx()).rows_written == 1  # fmt: skip
     assert pg.execute("SELECT id FROM ev ORDER BY id") == [
-        (1,), (18446744073709551614,), (18446744073709551615,)
+        (1,),
+        (18446744073709551614,),
+        (18446744073709551615,),
     ]
 
     # PostgreSQL -> MySQL: the cursor lives in the MySQL sink, beside its fence.
@@ -256,7 +258,10 @@ def test_incremental__both_ways_exactly_once(mydb: MyDB, pg: ScratchDB) -> None:
     assert run_transfer(PG, pg.config, pspec, MY, mydb.config, {"table": "copy"},
                         c3).rows_written == 1  # fmt: skip
     assert mydb.execute("SELECT id FROM copy ORDER BY at") == [
-        (1,), (18446744073709551614,), (18446744073709551615,), (7,)
+        (1,),
+        (18446744073709551614,),
+        (18446744073709551615,),
+        (7,),
     ]
 
 

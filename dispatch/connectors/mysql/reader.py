@@ -173,7 +173,9 @@ class Reader:
             names = [f.name for f in fields]
             column_types = [_wire_type(f) for f in fields]
             if self.spec.get("table"):
-                column_types = [declared.get(n, w) for n, w in zip(names, column_types, strict=True)]
+                column_types = [
+                    declared.get(n, w) for n, w in zip(names, column_types, strict=True)
+                ]
         self.mysql_types = [types.MySQLType(t) for t in column_types]
         self.columns = [
             Column(n, t.pg_type()) for n, t in zip(names, self.mysql_types, strict=True)
@@ -258,7 +260,11 @@ class Reader:
                 params,
             )
             row = cur.fetchone()
-        end = [None if v is None else (v.decode() if isinstance(v, bytes) else str(v)) for v in row] if row else None
+        end = (
+            [None if v is None else (v.decode() if isinstance(v, bytes) else str(v)) for v in row]
+            if row
+            else None
+        )
         self.bounds = incremental.Bounds(start, end, inc.lookback_seconds)  # type: ignore[arg-type]
         cursor = self.bounds.cursor
         if cursor is None or (self.bounds.end is None and inc.lookback_seconds is None):
@@ -268,9 +274,7 @@ class Reader:
             self._params = list(cursor)
             if start is not None and inc.lookback_seconds is not None:
                 first = inc.cursor[0]
-                self._where.append(
-                    f"q.{ident(first)} > {self._cast(0)} - INTERVAL %s SECOND"
-                )
+                self._where.append(f"q.{ident(first)} > {self._cast(0)} - INTERVAL %s SECOND")
                 self._params += [start[0], inc.lookback_seconds]
             elif start is not None:
                 self._where.append(f"{row_of} > {values}")
@@ -299,8 +303,9 @@ class Reader:
     def batches(self) -> Iterator[Batch]:
         assert self.conn is not None
         statement, params = self._select()
-        convert = list(enumerate(self._convert))
-        convert = [(i, f) for i, f in convert if f is not None]
+        convert: list[tuple[int, types.Convert]] = [
+            (i, f) for i, f in enumerate(self._convert) if f is not None
+        ]
         with errors(self.secrets, "source read"):
             # Unbuffered: the server streams the result as it is fetched, BATCH_ROWS at a
             # time, so memory stays flat whatever the table's size.

@@ -137,8 +137,12 @@ class MySQLType:
             width = (self.numbers() or [1])[0]
             return lambda v: None if v is None else format(int.from_bytes(v, "big"), f"0{width}b")
         if b == "set":
-            return lambda v: None if v is None else sorted(v) if isinstance(v, set) else (
-                [x for x in str(v).split(",") if x] if v != "" else []
+            return lambda v: (
+                None
+                if v is None
+                else sorted(v)
+                if isinstance(v, set)
+                else ([x for x in str(v).split(",") if x] if v != "" else [])
             )
         if b in ("date", "datetime", "timestamp"):
             utc = b == "timestamp"
@@ -282,7 +286,9 @@ class MySQLType:
             def binary(v: Any) -> Any:
                 if v is None:
                     return None
-                data = bytes(v) if isinstance(v, bytes | bytearray | memoryview) else _text(v).encode()
+                data = (
+                    bytes(v) if isinstance(v, bytes | bytearray | memoryview) else _text(v).encode()
+                )
                 if limit is not None and len(data) > limit:
                     raise refuse(v, f"is longer than {limit} bytes")
                 return data
@@ -309,7 +315,11 @@ class MySQLType:
                     return None
                 if isinstance(v, str):
                     try:
-                        v = dt.datetime.fromisoformat(v) if b != "date" else dt.date.fromisoformat(v)
+                        v = (
+                            dt.datetime.fromisoformat(v)
+                            if b != "date"
+                            else dt.date.fromisoformat(v)
+                        )
                     except ValueError:
                         raise refuse(v, "is not a date/time") from None
                 if not isinstance(v, dt.date):
@@ -325,8 +335,13 @@ class MySQLType:
                 highest = 2038 if b == "timestamp" else 9999
                 if not lowest <= year <= highest:
                     raise refuse(v, f"is outside the years {lowest}..{highest}")
-                if b == "timestamp" and isinstance(v, dt.datetime) and (
-                    v >= dt.datetime(2038, 1, 19, 3, 14, 8) or v < dt.datetime(1970, 1, 1, 0, 0, 1)
+                if (
+                    b == "timestamp"
+                    and isinstance(v, dt.datetime)
+                    and (
+                        v >= dt.datetime(2038, 1, 19, 3, 14, 8)
+                        or v < dt.datetime(1970, 1, 1, 0, 0, 1)
+                    )
                 ):
                     raise refuse(v, "is outside TIMESTAMP's range")
                 return v
@@ -436,7 +451,7 @@ def mysql_type(pg: str) -> str:
     m = re.fullmatch(r"bit(?: varying)?\((\d+)\)", t)
     if m:
         n = int(m.group(1))
-        return f"BIT({n})" if n <= 64 else "VARCHAR({})".format(min(n, 16383))
+        return f"BIT({n})" if n <= 64 else f"VARCHAR({min(n, 16383)})"
     m = re.fullmatch(r"timestamp(?:\((\d)\))? with(out)? time zone", t)
     if m:
         return f"DATETIME({m.group(1) or 6})"
