@@ -37,7 +37,10 @@ from dispatch.connectors.mysql.connect import (
     timeouts,
 )
 from dispatch.connectors.mysql.reader import Reader, strip_query
-from dispatch.connectors.mysql.writer import SINK_MODES, Writer, set_committed
+from dispatch.connectors.mysql.writer import Writer, set_committed
+
+# The same modes as the `postgresql` sink, with the same meanings.
+from dispatch.connectors.postgresql.writer import SINK_MODES
 
 __all__ = ["MySQLConnector", "Reader", "Writer"]
 

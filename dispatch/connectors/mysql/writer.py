@@ -32,8 +32,6 @@ from dispatch.connectors.mysql.connect import (
     table_sql,
 )
 
-# The same modes as the `postgresql` sink, with the same meanings.
-
 # Rows per INSERT statement (pymysql's executemany joins them into one multi-row INSERT,
 # cut below max_allowed_packet).
 INSERT_ROWS = 1000
