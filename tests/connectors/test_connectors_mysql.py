@@ -16,6 +16,7 @@ from django.core.exceptions import ValidationError
 
 from dispatch.connectors.base import FenceRejected, PermanentError, TransientError
 from dispatch.connectors.mysql import MySQLConnector
+from dispatch.connectors.mysql.localinfile import RefusedRequest
 from dispatch.connectors.postgresql import PostgreSQLConnector
 from tests.support.connectors import Ctx, Fence, ScratchDB, run_transfer, scratch_db
 from tests.support.mariadb import MyDB
@@ -353,3 +354,76 @@ def test_secrets__a_wrong_password_error_holds_no_secret(mydb: MyDB) -> None:
     with pytest.raises(PermanentError) as err:
         MY.test_connection(config)
     assert "wrong-secret-XYZ" not in str(err.value) and "1045" in str(err.value)
+
+
+def test_query_source__column_types_from_the_wire(mydb: MyDB, pg: ScratchDB) -> None:
+    mydb.execute("CREATE TABLE w (u BIGINT UNSIGNED, d DECIMAL(30,10), b BIT(3), s SET('p','q'),"
+                 " t DATETIME(3), bl VARBINARY(5), e ENUM('x','y'))")  # fmt: skip
+    mydb.execute("INSERT INTO w VALUES (18446744073709551615, -12345678901234567890.0123456789,"
+                 " b'101', 'p,q', '2024-02-29 12:00:00.125', x'00ff', 'y')")  # fmt: skip
+    query = "SELECT u, d, b, s, t, bl, e, u - 1 AS calc, 'literal 😀' AS lit FROM w"
+    with MY.open_reader(mydb.config, {"query": query}, Ctx()) as reader:
+        assert [c.type for c in reader.columns] == [
+            "numeric(20,0)", "numeric(30,10)", "bit(3)", "text[]",
+            "timestamp(3) without time zone", "bytea", "text", "numeric(20,0)", "text",
+        ]  # fmt: skip
+        [[row]] = list(reader.batches())
+    assert list(row) == [
+        18446744073709551615, Decimal("-12345678901234567890.0123456789"), "101", ["p", "q"],
+        dt.datetime(2024, 2, 29, 12, 0, 0, 125000), b"\x00\xff", "y", 18446744073709551614,
+        "literal 😀",
+    ]  # fmt: skip
+    run_transfer(MY, mydb.config, {"query": query}, PG, pg.config, {"table": "w", "create": True})
+    assert pg.execute("SELECT u, s, lit FROM w") == [
+        (Decimal(18446744073709551615), ["p", "q"], "literal 😀")
+    ]
+
+
+AWKWARD_TEXT = ["tab\there", "line\nbreak\r\n", "back\\slash", "nul\x00byte", "\\N", "", "😀",
+                "ctrl-z \x1a", "NULL"]  # fmt: skip
+
+
+def _load_table(my: MyDB, name: str) -> None:
+    my.execute(f"CREATE TABLE {name} (id INT PRIMARY KEY, t LONGTEXT, b LONGBLOB,"
+               " d DECIMAL(65,30), tm TIME(6), dtm DATETIME(6), j JSON, f DOUBLE, n INT)")  # fmt: skip
+
+
+def test_load_data__escapes_every_awkward_value_as_the_inserts_do(mydb: MyDB) -> None:
+    rows = [
+        [i, text, bytes(range(256)) + text.encode(), Decimal("-1E+20") / 3 if i % 2 else
+         Decimal("12345678901234567890123456789012345.123456789012345678901234567890"),
+         -dt.timedelta(hours=838, minutes=59, seconds=58, microseconds=5) if i % 2 else
+         dt.timedelta(microseconds=1),
+         dt.datetime(1000, 1, 1, 0, 0, 0, 1), '{"k": "' + str(i) + '\\t"}', 1e-300 * i, None]
+        for i, text in enumerate(AWKWARD_TEXT)
+    ]  # fmt: skip
+    columns = [type("C", (), {"name": n, "type": ""})() for n in
+               ("id", "t", "b", "d", "tm", "dtm", "j", "f", "n")]  # fmt: skip
+    results = []
+    for table, use_load in (("by_load", True), ("by_insert", False)):
+        _load_table(mydb, table)
+        ctx = Ctx()
+        with MY.open_writer(mydb.config, {"table": table}, ctx, columns) as writer:
+            writer.use_load = use_load
+            assert writer.write(rows) == len(rows)
+            assert bool(writer._load) == use_load
+            writer.commit()
+        results.append(mydb.execute(f"SELECT * FROM {table} ORDER BY id"))
+    assert results[0] == results[1]
+    got = results[0]
+    assert [r[1] for r in got] == AWKWARD_TEXT and all(r[8] is None for r in got)
+    assert got[3][2] == bytes(range(256)) + b"nul\x00byte"
+
+
+def test_load_data__a_request_for_any_other_file_is_refused(mydb: MyDB, tmp_path: Any) -> None:
+    mydb.execute("CREATE TABLE t (v LONGTEXT)")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("worker-local-secret\n")
+    with MY.open_writer(mydb.config, {"table": "t"}, Ctx(), []) as writer, writer._cur() as cur:
+        for statement in (
+            f"LOAD DATA LOCAL INFILE '{secret}' INTO TABLE t",
+            "LOAD DATA LOCAL INFILE 'dispatch-rows' INTO TABLE t",  # nothing pending
+        ):
+            with pytest.raises(RefusedRequest, match="did not send; refused"):
+                cur.execute(statement)
+    assert mydb.execute("SELECT COUNT(*) FROM t") == [(0,)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,6 +23,7 @@ from dispatch.connectors.base import (
     TransientError,
     int_field,
 )
+from dispatch.connectors.mysql import localinfile
 from dispatch.security import limits, targets
 
 log = logging.getLogger("dispatch.connectors")
@@ -73,6 +75,8 @@ def errors(secrets: list[str], what: str) -> Iterator[None]:
         raise classify(exc, secrets, what) from None
     except OSError as exc:
         raise TransientError(f"{what}: {type(exc).__name__}: {exc.strerror or exc}") from None
+    except localinfile.RefusedRequest as exc:
+        raise PermanentError(f"{what}: {exc}") from None
 
 
 # --- validation and policy -------------------------------------------------------------------
@@ -156,11 +160,20 @@ def _ssl(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def connect(
-    config: dict[str, Any], *, what: str, local_infile: bool = False
+    config: dict[str, Any],
+    *,
+    what: str,
+    spec: dict[str, Any] | None = None,
+    local_stream: bool = False,
 ) -> pymysql.connections.Connection[Any]:
     """A connection under the site's target policy: no option file is read (pymysql reads
-    one only when asked), `local_infile` only when the caller asks for it (the writer of
-    its own stream), TLS as the config says."""
+    one only when asked), TLS as the config says, and `LOCAL INFILE` only with
+    `local_stream` (the sink's connection): a `StreamConnection`, which answers the
+    server's request with the writer's own rows alone (localinfile.py). Every read and write
+    on its socket is bounded: by the spec's statement timeout and a minute (the server
+    ends a statement at its timeout; this catches a server that stopped answering), or
+    by CONNECT_TIMEOUT_SECONDS for a connection without a spec (a test, a cancel)."""
+    socket_timeout = timeouts(spec)[0] + 60 if spec is not None else CONNECT_TIMEOUT_SECONDS
     problems = policy_errors(config)
     if problems:
         raise PermanentError(f"{what}: refused by the site's target policy: {'; '.join(problems)}")
@@ -172,7 +185,9 @@ def connect(
         "charset": "utf8mb4",
         "connect_timeout": CONNECT_TIMEOUT_SECONDS,
         "autocommit": False,
-        "local_infile": local_infile,
+        "local_infile": local_stream,
+        "read_timeout": socket_timeout,
+        "write_timeout": socket_timeout,
         "binary_prefix": True,
         "cursorclass": pymysql.cursors.Cursor,
     }
@@ -185,14 +200,15 @@ def connect(
         if ssl is not None:
             kwargs["ssl"] = ssl
     secrets = _secrets(config)
+    make = localinfile.StreamConnection if local_stream else pymysql.connections.Connection
     with errors(secrets, what):
         try:
-            return pymysql.connect(**kwargs)
+            return make(**kwargs)
         except pymysql.err.OperationalError as exc:
             # "preferred": a server without TLS is spoken to in clear, as libpq's prefer.
             if config.get("tls") in (None, "", "preferred") and "ssl" in kwargs and _no_tls(exc):
                 del kwargs["ssl"]
-                return pymysql.connect(**kwargs)
+                return make(**kwargs)
             raise
 
 
@@ -238,12 +254,14 @@ class Interrupter:
         self.ctx = ctx
         self.config = config
         self.thread_id: int | None = None
+        self._conn: Any = None
         self._lock = threading.Lock()
         self._unregister: Callable[[], None] | None = None
         self.killed = False
 
-    def attach(self, thread_id: int) -> None:
+    def attach(self, thread_id: int, conn: Any) -> None:
         self.thread_id = thread_id
+        self._conn = conn
         if self.ctx is not None:
             self._unregister = self.ctx.on_stop(self.interrupt)
             if self.ctx.should_stop():
@@ -262,7 +280,14 @@ class Interrupter:
                 finally:
                     conn.close()
             except (ConnectorError, pymysql.Error, OSError) as exc:  # logged, not raised
+                # The server cannot be reached to kill the statement: shut the
+                # connection's socket down, so the blocked call fails at once (the server
+                # rolls the transaction back when it notices).
                 log.warning("mysql: could not interrupt the running statement: %s", exc)
+                sock = getattr(self._conn, "_sock", None)
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         if self._unregister is not None:
@@ -270,3 +295,4 @@ class Interrupter:
             self._unregister = None
         with self._lock:
             self.thread_id = None
+            self._conn = None

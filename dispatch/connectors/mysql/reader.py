@@ -149,10 +149,10 @@ class Reader:
         return strip_query(self.spec["query"])
 
     def open(self) -> None:
-        self.conn = connect(self.config, what="source connect")
+        self.conn = connect(self.config, what="source connect", spec=self.spec)
         with errors(self.secrets, "source"):
             info = session(self.conn, self.spec, read_only=True)
-            self._interrupter.attach(info["thread_id"])
+            self._interrupter.attach(info["thread_id"], self.conn)
             if self.spec.get("query") and targets.query_sources_least_privilege():
                 check_least_privilege(self.conn)
                 self.conn.commit()

@@ -127,9 +127,12 @@ class Command(BaseCommand):
             self.stdout.write(f"  (MariaDB demo skipped: {type(exc).__name__})")
             return
         connector.validate_config(config)
-        source, _ = Datasource.objects.update_or_create(
-            name="demo-mariadb", defaults={"kind": "mysql", "config": config}
+        source = Datasource.objects.filter(name="demo-mariadb").first() or Datasource(
+            name="demo-mariadb", kind="mysql"
         )
+        if source.pk is None or source.config != config:
+            source.config = config
+            source.save()
         job, _ = Job.objects.update_or_create(
             name="demo-orders-mariadb-copy",
             defaults={
