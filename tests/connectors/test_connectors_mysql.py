@@ -20,6 +20,7 @@ from dispatch.connectors.mysql.localinfile import RefusedRequest
 from dispatch.connectors.postgresql import PostgreSQLConnector
 from tests.support.connectors import Ctx, Fence, ScratchDB, run_transfer, scratch_db
 from tests.support.mariadb import MyDB
+from tools.blackhole import BlackholeProxy
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -427,3 +428,42 @@ def test_load_data__a_request_for_any_other_file_is_refused(mydb: MyDB, tmp_path
             with pytest.raises(RefusedRequest, match="did not send; refused"):
                 cur.execute(statement)
     assert mydb.execute("SELECT COUNT(*) FROM t") == [(0,)]
+
+
+def test_cancel__a_server_that_stopped_answering_is_left_at_once(mydb: MyDB) -> None:
+    """The stop's KILL QUERY cannot reach a server behind a black hole: the connection's
+    socket is shut down instead, and the blocked read fails (transient)."""
+    ctx = Ctx()
+    done = threading.Event()
+    outcome: list[Any] = []
+    with BlackholeProxy("127.0.0.1", mydb.server.port) as proxy:
+        config = {**mydb.config, "port": proxy.port, "tls": "disabled"}
+
+        def read() -> None:
+            try:
+                with MY.open_reader(config, {"query": "SELECT SLEEP(60) AS s"}, ctx) as reader:
+                    outcome.extend(reader.batches())
+            except TransientError as exc:
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        conn = mydb.server.root()
+        try:
+            for _ in range(600):
+                with conn.cursor() as cur:
+                    cur.execute("SELECT ID FROM information_schema.PROCESSLIST"
+                                " WHERE INFO LIKE 'SELECT SLEEP(60)%'")  # fmt: skip
+                    if cur.fetchall():
+                        break
+                done.wait(0.05)
+            proxy.blackhole()
+            for interrupt in list(ctx.interrupts):
+                interrupt()  # its own connection times out (10 s), then the shutdown
+            assert done.wait(30), "the read was not interrupted"
+        finally:
+            conn.close()
+        thread.join()
+    assert len(outcome) == 1 and isinstance(outcome[0], TransientError), outcome
