@@ -159,7 +159,7 @@ class Reader:
             with self.conn.cursor(pymysql.cursors.Cursor) as cur:
                 cur.execute("START TRANSACTION WITH CONSISTENT SNAPSHOT, READ ONLY")
                 if self.spec.get("table"):
-                    declared = self._declared(cur)
+                    declared = self._declared(cur, mariadb=info["mariadb"])
                 if self.incremental is not None:
                     # Described without its rows (a derived table the server may still
                     # evaluate: a slow query runs twice).
@@ -182,9 +182,10 @@ class Reader:
         ]
         self._convert = [t.reader(n) for n, t in zip(names, self.mysql_types, strict=True)]
 
-    def _declared(self, cur: Any) -> dict[str, str]:
+    def _declared(self, cur: Any, *, mariadb: bool) -> dict[str, str]:
         """A table's columns as declared (COLUMN_TYPE), with MariaDB's JSON (a LONGTEXT
-        with a json_valid() check) named json."""
+        with a json_valid() check) named json. MySQL's JSON is a type of its own (and its
+        CHECK_CONSTRAINTS has no TABLE_NAME)."""
         database, name = parse_table(self.spec["table"])
         cur.execute(
             "SELECT COLUMN_NAME, COLUMN_TYPE FROM information_schema.COLUMNS"
@@ -192,6 +193,8 @@ class Reader:
             [database, name],
         )
         declared = {str(r[0]): str(r[1]) for r in cur.fetchall()}
+        if not mariadb:
+            return declared
         cur.execute(
             "SELECT CHECK_CLAUSE FROM information_schema.CHECK_CONSTRAINTS"
             " WHERE CONSTRAINT_SCHEMA = COALESCE(%s, DATABASE()) AND TABLE_NAME = %s",
