@@ -467,3 +467,63 @@ def test_cancel__a_server_that_stopped_answering_is_left_at_once(mydb: MyDB) -> 
             conn.close()
         thread.join()
     assert len(outcome) == 1 and isinstance(outcome[0], TransientError), outcome
+
+
+PG_TYPES = """CREATE TABLE pgtypes (
+  id integer PRIMARY KEY, sm smallint, bi bigint, nu numeric, n2 numeric(70,35), r real,
+  dp double precision, bo boolean, tx text, vc varchar(5), ch char(3), by bytea, d date,
+  ts timestamp(3), tz timestamptz, t time, iv interval, u uuid, j json, jb jsonb,
+  ia integer[], ta text[], b bit(4), vb bit varying(10), ip inet, ci cidr, mo money,
+  x xml, rg int4range, tt timetz)"""
+
+
+def test_types__postgresql_to_mysql_for_its_types(mydb: MyDB, pg: ScratchDB) -> None:
+    pg.execute(PG_TYPES)
+    pg.execute(
+        "INSERT INTO pgtypes VALUES (1, -32768, -9223372036854775808,"
+        " 123456789012345678901234567890.000000000000000000000000000001,"
+        " 1.5, 1.5, 2.2250738585072014e-308, true, E'tab\\there 😀', 'ab😀', 'xyz', '\\x00ff'::bytea,"
+        " '9999-12-31', '2024-02-29 23:59:59.999', '2024-06-01 12:00:00+02', '23:59:59.999999',"
+        " '-838:59:59', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11', '{\"a\": [1, 2]}',"
+        " '{\"b\": {\"c\": null}}', '{1,2,3}', '{\"x\",\"y z\"}', B'1010', B'101', '192.168.0.1',"
+        " '10.0.0.0/8', 12.34, '<a>b</a>', '[1,5)', '12:00:00+02')"
+    )
+    pg.execute("INSERT INTO pgtypes (id) VALUES (2)")
+    result = run_transfer(
+        PG, pg.config, {"table": "pgtypes"}, MY, mydb.config, {"table": "pgt", "create": True}
+    )
+    assert result.rows_written == 2
+    declared = dict(mydb.execute(
+        "SELECT COLUMN_NAME, COLUMN_TYPE FROM information_schema.COLUMNS"
+        " WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'pgt'"
+    ))  # fmt: skip
+    assert declared["nu"] == "decimal(65,30)" and declared["n2"] == "decimal(65,30)"
+    assert declared["bo"] == "tinyint(1)" and declared["u"] == "char(36)"
+    assert declared["ts"] == "datetime(3)" and declared["tz"] == "datetime(6)"
+    assert declared["iv"] == "time(6)" and declared["b"] == "bit(4)"
+    assert declared["ia"] == "longtext" and declared["vc"] == "varchar(5)"  # JSON: MariaDB's
+    cols = [c for c in declared if c != "n2"]
+    row = dict(zip(cols, mydb.execute(f"SELECT {', '.join(f'`{c}`' for c in cols)} FROM pgt WHERE id = 1")[0],
+                   strict=True))  # fmt: skip
+    assert row["bi"] == -(2**63) and row["bo"] == 1
+    assert row["nu"] == Decimal("123456789012345678901234567890.000000000000000000000000000001")
+    assert row["tx"] == "tab\there 😀" and row["vc"] == "ab😀" and row["by"] == b"\x00\xff"
+    assert row["ts"] == dt.datetime(2024, 2, 29, 23, 59, 59, 999000)
+    assert row["tz"] == dt.datetime(2024, 6, 1, 10, 0)  # UTC
+    assert row["iv"] == -dt.timedelta(hours=838, minutes=59, seconds=59)
+    assert row["u"] == "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"
+    assert json.loads(row["ia"]) == [1, 2, 3] and json.loads(row["ta"]) == ["x", "y z"]
+    assert json.loads(row["jb"]) == {"b": {"c": None}} and row["b"] == b"\x0a"
+    assert row["ip"] == "192.168.0.1" and row["ci"] == "10.0.0.0/8" and row["x"] == "<a>b</a>"
+    assert all(v is None for k, v in zip(cols, mydb.execute(
+        f"SELECT {', '.join(f'`{c}`' for c in cols)} FROM pgt WHERE id = 2")[0], strict=True) if k != "id")  # fmt: skip
+    # numeric(70,35) beyond DECIMAL(65,30): created as DECIMAL(65,30), and a value with
+    # more digits than it holds fails, naming the column, before anything commits.
+    assert mydb.execute("SELECT n2 FROM pgt WHERE id = 1") == [(Decimal("1.5"),)]
+    pg.execute("UPDATE pgtypes SET n2 = 1.00000000000000000000000000000000001 WHERE id = 2")
+    with pytest.raises(PermanentError, match=r"sink column 'n2'.*decimal places"):
+        run_transfer(PG, pg.config, {"table": "pgtypes"}, MY, mydb.config, {"table": "pgt"})
+    assert mydb.execute("SELECT COUNT(*) FROM pgt") == [(2,)]
+    with pytest.raises(PermanentError, match=r"sink column 'iv'.*outside TIME's range"):
+        run_transfer(PG, pg.config, {"query": "SELECT 3 AS id, interval '35 days' AS iv"},
+                     MY, mydb.config, {"table": "pgt"})  # fmt: skip

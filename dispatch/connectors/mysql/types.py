@@ -305,7 +305,8 @@ class MySQLType:
                     except ValueError:
                         raise refuse(v, "is not JSON") from None
                     return v
-                return json.dumps(v, ensure_ascii=False)
+                # An array's numbers (Decimal), dates and UUIDs as their text.
+                return json.dumps(v, ensure_ascii=False, default=str)
 
             return as_json
         if b in ("date", "datetime", "timestamp"):
@@ -460,7 +461,7 @@ _PG_SIMPLE = {
     "uuid": "CHAR(36)",
     "json": "JSON",
     "jsonb": "JSON",
-    "money": "DECIMAL(19,2)",
+    "money": "VARCHAR(32)",  # its text, in the source server's lc_monetary format
     "numeric": "DECIMAL(65,30)",
     "inet": "VARCHAR(43)",
     "cidr": "VARCHAR(43)",
