@@ -9,8 +9,10 @@ import json
 import threading
 from collections.abc import Iterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from django.core.exceptions import ValidationError
 
@@ -527,3 +529,21 @@ def test_types__postgresql_to_mysql_for_its_types(mydb: MyDB, pg: ScratchDB) -> 
     with pytest.raises(PermanentError, match=r"sink column 'iv'.*outside TIME's range"):
         run_transfer(PG, pg.config, {"query": "SELECT 3 AS id, interval '35 days' AS iv"},
                      MY, mydb.config, {"table": "pgt"})  # fmt: skip
+
+
+def test_definition_schema__the_mysql_config_its_fields_and_secret_references() -> None:
+    schema = json.loads((Path(__file__).parents[2] / "dispatch/ascode/schema.json").read_text())
+    [entry] = [
+        e for e in schema["$defs"]["datasource"]["allOf"]
+        if e["if"]["properties"]["kind"]["const"] == "mysql"
+    ]  # fmt: skip
+    config = entry["then"]["properties"]["config"]
+    assert set(config["properties"]) == {f.name for f in MY.config_fields}
+    assert config["properties"]["tls"]["enum"] == list(MY.config_fields[-1].choices)
+    validator = jsonschema.Draft202012Validator(schema)
+    data = {"datasources": {"m": {"kind": "mysql", "config": {"host": "h", "password": "pw"}}}}
+    assert list(validator.iter_errors(data))
+    data["datasources"]["m"]["config"]["password"] = "env:DISPATCH_SECRET_M"
+    assert not list(validator.iter_errors(data))
+    data["datasources"]["m"]["config"]["sslkey"] = "/etc/key.pem"
+    assert list(validator.iter_errors(data))
