@@ -1,6 +1,8 @@
 """A single stream against the raw pipe: PostgreSQL -> PostgreSQL in `append`, `replace`,
 `upsert` and `mirror` modes and CSV -> PostgreSQL through `runworker`, each side by side with `psql`
-doing the same work; the fixed cost of a run; the worker's peak RSS as the rows grow.
+doing the same work; the fixed cost of a run; the worker's peak RSS as the rows grow;
+(case `parquet`) PostgreSQL -> Parquet beside `psql` COPY + pyarrow; and (case `mariadb`,
+bench/copy_mysql.py) MariaDB -> PostgreSQL beside `mariadb | psql`.
 
     python -m bench copy [--rows 1000000] [--small 10000] [--rows-big N] [--rounds 3]
                          [--fixed-runs 30] [--prefix dispatch_bench_copy] [--quick] [--no-doc]
@@ -44,9 +46,11 @@ COLUMNS = (
     "id bigint, customer text, amount numeric(12,2), created_at timestamptz, attrs jsonb,"
     " active boolean"
 )
-CASES = ("append", "replace", "truncate", "upsert", "mirror", "csv", "parquet")
+CASES = ("append", "replace", "truncate", "upsert", "mirror", "csv", "parquet", "mariadb")
 # The cases whose sink is keyed on id.
 KEYED = ("upsert", "mirror")
+# The cases of a PostgreSQL or CSV source; `mariadb` is bench/copy_mysql.py's section.
+PG_CASES = CASES[:-1]
 # Set from --prefix in main(): the benchmark's three databases.
 APP_DB = SRC_DB = DST_DB = ""
 
@@ -166,7 +170,7 @@ def setup_app(server: str, tables: list[str]) -> dict[tuple[str, str], Any]:
         defaults={"kind": "parquet", "config": {"base_dir": str(common.csv_dir())}},
     )[0]
     bindings = {}
-    for case in CASES:
+    for case in PG_CASES:
         for table in tables:
             name = f"bench-copy-{case}-{table}"
             source_spec = {"path": f"{table}.csv"} if case == "csv" else {"table": table}
@@ -488,6 +492,15 @@ def main(argv: list[str]) -> int:
     if shutil.which("psql") is None:
         raise SystemExit("psql is needed for the raw side")
     set_prefix(args.prefix)
+    if "mariadb" in cases:
+        from bench import copy_mysql
+
+        copy_mysql.section(args.server, rows=args.rows, small=args.small,
+                           mid=min(100_000, args.rows), rounds=args.rounds,
+                           argv=["copy", *argv], doc=not args.no_doc)  # fmt: skip
+        cases.remove("mariadb")
+        if not cases:
+            return 0
     report = common.Report(
         f"Single stream against the raw pipe ({args.rows:,} rows)", ["copy", *argv], args.server
     )

@@ -354,6 +354,26 @@ def cmd_test(pytest_args: list[str]) -> int:
             if env.get("CI"):
                 print("CI is set: failing, CI must run the PgBouncer tests.", flush=True)
                 return 1
+        # The mysql connector's tests start a MariaDB server of their own from Debian's
+        # mariadb-server binaries (tools/mariadb.py), never the system's server.
+        from tools import mariadb
+
+        if mariadb.find() is None and can_apt_install():
+            print("$ apt-get install -y mariadb-server  (no MariaDB found)", flush=True)
+            subprocess.run(
+                ["apt-get", "install", "-y", "-qq", "mariadb-server"],
+                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+                check=False,
+            )
+        if mariadb.find() is None:
+            print(
+                "!! NO MARIADB FOUND: the mysql connector's tests will be SKIPPED "
+                "(apt-get install -y mariadb-server, as root).",
+                flush=True,
+            )
+            if env.get("CI"):
+                print("CI is set: failing, CI must run the MariaDB tests.", flush=True)
+                return 1
         print("$ pytest", " ".join(pytest_args), flush=True)
         return subprocess.run([PYTHON, "-m", "pytest", *pytest_args], cwd=ROOT, env=env).returncode
     finally:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.mariadb import MyDB, scratch, start_server
 from tests.support.processes import Processes
+from tools.mariadb import MariaDB
 
 
 @pytest.fixture
@@ -18,3 +20,15 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
         yield procs
     finally:
         procs.stop_all()
+
+
+@pytest.fixture(scope="session")
+def mariadb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MariaDB]:
+    """The tests' own MariaDB server (never the system's), for the session."""
+    yield from start_server(tmp_path_factory.mktemp("mariadb"))
+
+
+@pytest.fixture
+def mydb(mariadb: MariaDB) -> Iterator[MyDB]:
+    """A fresh database on it, dropped afterwards."""
+    yield from scratch(mariadb)

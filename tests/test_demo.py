@@ -3,6 +3,7 @@ apply` through the same function `make run` calls (project/dev.py), into the tes
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,17 +12,23 @@ import jsonschema
 import psycopg
 import pytest
 import yaml
+from django.core.management import call_command
 from django.db import connection
 from psycopg import sql
 from pyarrow.dataset import dataset as pq_dataset
 
 from dispatch import api
+from dispatch.connectors.mysql import MySQLConnector
+from dispatch.connectors.postgresql import PostgreSQLConnector
 from dispatch.models import MANAGED_BY_FILES, Datasource, Job, JobBinding
 from dispatch.states import Status
 from project import dev
+from project.management.commands.seed_demo import MYSQL_DEMO_ROWS
 from scheduling.models import Schedule
 from tests.support.ascode import DEFINITION_TABLES, row_versions
+from tests.support.connectors import run_transfer
 from tests.support.processes import Processes, test_database_url, worker_env
+from tools.mariadb import MariaDB
 
 BINDINGS = {
     "demo-generate-to-null": ("demo-generate-100k", "demo-generator", "demo-discard"),
@@ -134,3 +141,45 @@ def test_demo_files__valid_by_the_published_schema(name: str) -> None:
     schema = json.loads((dev.ROOT / "docs" / "as-code.schema.json").read_text())
     data = yaml.safe_load((dev.DEMO_DIR / name).read_text())
     jsonschema.Draft202012Validator(schema).validate(data)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_demo_mysql__seeded_only_with_a_server_and_its_binding_copies(
+    tmp_path: Path, demo_databases: tuple[str, str], mariadb: MariaDB
+) -> None:
+    password_file = tmp_path / "password"
+    password_file.write_text("demo-login-pw")
+    args = ["--admin-password-file", str(password_file), "--source-db", demo_databases[0],
+            "--sink-db", demo_databases[1]]  # fmt: skip
+    sink = Datasource.objects.create(
+        name="demo-pg-sink",
+        kind="postgresql",
+        config={"url": dev.demo_url(test_database_url(), demo_databases[1])},
+    )
+    call_command("seed_demo", *args, "--mysql-url", "")
+    assert not JobBinding.objects.filter(name="demo-orders-mariadb-to-pg").exists()
+    url = (
+        f"mysql://{mariadb.admin_user}:{mariadb.admin_password}@127.0.0.1:{mariadb.port}"
+        "/dispatch_demo_test"
+    )
+    out = io.StringIO()
+    call_command("seed_demo", *args, "--mysql-url", url, stdout=out)
+    call_command("seed_demo", *args, "--mysql-url", url, stdout=out)  # idempotent
+    assert mariadb.admin_password not in out.getvalue()
+    binding = JobBinding.objects.select_related("job", "source").get(
+        name="demo-orders-mariadb-to-pg"
+    )
+    assert binding.source.kind == "mysql" and binding.sink == sink
+    result = run_transfer(
+        MySQLConnector, binding.source.config, binding.job.source_spec,
+        PostgreSQLConnector, sink.config, binding.job.sink_spec,
+    )  # fmt: skip
+    assert result.rows_written == MYSQL_DEMO_ROWS
+    with psycopg.connect(dev.demo_url(test_database_url(), demo_databases[1])) as conn:
+        assert conn.execute(
+            "SELECT count(*), count(*) FILTER (WHERE 'vip' = ANY(tags)) FROM orders_from_mariadb"
+        ).fetchone() == (MYSQL_DEMO_ROWS, MYSQL_DEMO_ROWS // 5)
+    root = mariadb.root()
+    with root.cursor() as cur:
+        cur.execute("DROP DATABASE dispatch_demo_test")
+    root.close()

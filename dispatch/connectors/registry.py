@@ -21,6 +21,7 @@ BUILTIN = [
 # it is installed, absent (an unknown kind) when not.
 OPTIONAL_BUILTIN = {
     "dispatch.connectors.parquet.ParquetConnector": "pyarrow",
+    "dispatch.connectors.mysql.MySQLConnector": "pymysql",
 }
 
 

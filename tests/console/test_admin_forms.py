@@ -141,3 +141,39 @@ def test_postgresql_sslmode__a_choice_of_libpqs_values(admin_client: Client) -> 
     response = admin_client.post(reverse(ADD), {**data, "config__sslmode": "verify-full"})
     assert response.status_code == 302, response.content.decode()[:2000]
     assert Datasource.objects.get(name="warehouse").config["sslmode"] == "verify-full"
+
+
+def test_mysql_kind__its_fields_and_help_in_the_datasource_form(admin_client: Client) -> None:
+    page = admin_client.get(reverse(ADD) + "?kind=mysql").content.decode()
+    for field in ("host", "port", "database", "user", "password", "tls"):
+        assert f'name="config__{field}"' in page, field
+    assert "Default database (tables without a database. prefix are in it)." in page
+    select = re.search(r'<select name="config__tls".*?</select>', page, re.S)
+    assert select, "tls is not a select"
+    assert re.findall(r'<option value="([^"]*)"', select.group(0)) == [
+        "", "preferred", "required", "verify_identity", "disabled"
+    ]  # fmt: skip
+    data = {
+        "name": "shop",
+        "kind": "mysql",
+        "config_kind": "mysql",
+        "enabled": "on",
+        "config__host": "mariadb.internal",
+        "config__port": "3307",
+        "config__user": "reader",
+        "config__password": "shop-secret-pw",
+    }
+    response = admin_client.post(reverse(ADD), {**data, "config__port": "70000"})
+    assert response.status_code == 200
+    assert response.context["adminform"].form.errors["config__port"] == [
+        "must be between 1 and 65535"
+    ]
+    response = admin_client.post(reverse(ADD), data)
+    assert response.status_code == 302, response.content.decode()[:2000]
+    saved = Datasource.objects.get(name="shop")
+    assert saved.config == {"host": "mariadb.internal", "port": 3307, "user": "reader",
+                            "password": "shop-secret-pw"}  # fmt: skip
+    page = admin_client.get(
+        reverse("admin:dispatch_datasource_change", args=[saved.pk])
+    ).content.decode()
+    assert 'name="config__password"' in page and "shop-secret-pw" not in page

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import os
 import secrets
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,10 @@ from dispatch.connectors.csv import check_base_dir
 
 DEMO_SOURCE_DB = "dispatch_demo_source"
 DEMO_SINK_DB = "dispatch_demo_sink"
+# A MariaDB (or MySQL) server for the demo's MariaDB -> PostgreSQL binding, when set:
+# mysql://user:password@host:port/database (the database is made if missing).
+MYSQL_URL_VARIABLE = "DISPATCH_DEMO_MYSQL_URL"
+MYSQL_DEMO_ROWS = 20_000
 
 
 class Command(BaseCommand):
@@ -50,8 +56,18 @@ class Command(BaseCommand):
             help=f"the database the demo's copies go to (default {DEMO_SINK_DB})",
         )
 
+        parser.add_argument(
+            "--mysql-url",
+            default=os.environ.get(MYSQL_URL_VARIABLE) or None,
+            help="mysql://user:password@host:port/database of a MariaDB or MySQL server: seed "
+            "an orders table there and a MariaDB -> PostgreSQL binding (default: "
+            f"${MYSQL_URL_VARIABLE}; none: no such binding)",
+        )
+
     def handle(self, *args: Any, **options: Any) -> None:
         self._seed_databases(options["source_db"], options["sink_db"])
+        if options["mysql_url"]:
+            self._seed_mysql(options["mysql_url"])
         if options["csv_dir"] is not None:
             self._seed_csv_file(Path(options["csv_dir"]).absolute())
         self._seed_login(options["admin_password_file"])
@@ -78,6 +94,105 @@ class Command(BaseCommand):
             self.stdout.write(f"  Login:  admin / {password}")
         else:
             self.stdout.write("  Login:  admin (password unchanged)")
+
+    # --- MariaDB -----------------------------------------------------------------------
+    def _seed_mysql(self, url: str) -> None:
+        """An `orders` table on the MariaDB server of `url` and the binding that copies it
+        into the demo's PostgreSQL sink (demo-pg-sink, from pipelines.yaml). A server that
+        cannot be reached is reported, not fatal: `make run` goes on without it."""
+        from dispatch.connectors import registry
+        from dispatch.models import Datasource, Job, JobBinding
+
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("mysql", "mariadb") or not parts.hostname:
+            raise CommandError("--mysql-url must be mysql://user:password@host:port/database")
+        config: dict[str, Any] = {
+            "host": parts.hostname,
+            "port": parts.port or 3306,
+            "user": urllib.parse.unquote(parts.username or ""),
+            "database": urllib.parse.unquote(parts.path.lstrip("/")) or "dispatch_demo",
+        }
+        if parts.password:
+            config["password"] = urllib.parse.unquote(parts.password)
+        try:
+            connector = registry.get("mysql")
+        except registry.UnknownKind:
+            self.stdout.write("  (MariaDB demo skipped: install the `mysql` extra)")
+            return
+        import pymysql
+
+        try:
+            self._ensure_mysql_orders(config)
+        except (pymysql.Error, OSError) as exc:  # the optional server: reported, not fatal
+            self.stdout.write(f"  (MariaDB demo skipped: {type(exc).__name__})")
+            return
+        connector.validate_config(config)
+        source = Datasource.objects.filter(name="demo-mariadb").first() or Datasource(
+            name="demo-mariadb", kind="mysql"
+        )
+        if source.pk is None or source.config != config:
+            source.config = config
+            source.save()
+        job, _ = Job.objects.update_or_create(
+            name="demo-orders-mariadb-copy",
+            defaults={
+                "description": f"Copy {MYSQL_DEMO_ROWS:,} orders from MariaDB to PostgreSQL.",
+                "source_spec": {"table": "orders"},
+                "sink_spec": {"table": "public.orders_from_mariadb", "mode": "replace",
+                              "create": True},
+            },
+        )  # fmt: skip
+        sink = Datasource.objects.filter(name="demo-pg-sink").first()
+        if sink is None:
+            self.stdout.write("  (MariaDB demo binding not made: demo-pg-sink is missing)")
+            return
+        JobBinding.objects.update_or_create(
+            name="demo-orders-mariadb-to-pg",
+            defaults={"job": job, "source": source, "sink": sink},
+        )
+        self.stdout.write("  MariaDB demo: demo-orders-mariadb-to-pg")
+
+    def _ensure_mysql_orders(self, config: dict[str, Any]) -> None:
+        import pymysql  # the `mysql` extra (checked by the caller)
+
+        database = config["database"]
+        conn = pymysql.connect(
+            host=config["host"],
+            port=config["port"],
+            user=config["user"],
+            password=config.get("password", ""),
+            connect_timeout=5,
+            autocommit=True,
+        )
+        try:
+            with conn.cursor() as cur:
+                cur.execute(f"CREATE DATABASE IF NOT EXISTS `{database.replace('`', '')}`")
+                cur.execute(f"USE `{database.replace('`', '')}`")
+                cur.execute("SHOW TABLES LIKE 'orders'")
+                if cur.fetchone():
+                    return
+                cur.execute(
+                    "CREATE TABLE orders (id BIGINT PRIMARY KEY, customer VARCHAR(20),"
+                    " amount DECIMAL(12,2), created_at DATETIME, tags SET('new','vip','late'),"
+                    " attrs JSON)"
+                )
+                rows = [
+                    (
+                        i,
+                        f"customer-{i % 1000:04d}",
+                        f"{(i * 7919) % 100000 / 100:.2f}",
+                        "2024-01-01 00:00:00",
+                        ",".join(t for t, m in (("new", 2), ("vip", 5), ("late", 7)) if i % m == 0),
+                        f'{{"tier": {i % 5}}}',
+                    )
+                    for i in range(1, MYSQL_DEMO_ROWS + 1)
+                ]
+                cur.executemany(
+                    "INSERT INTO orders VALUES (%s, %s, %s, TIMESTAMPADD(MINUTE, %s, %s), %s, %s)",
+                    [(r[0], r[1], r[2], r[0], r[3], r[4], r[5]) for r in rows],
+                )
+        finally:
+            conn.close()
 
     # --- PostgreSQL and CSV data ------------------------------------------------------
     def _seed_databases(self, source_db: str, sink_db: str) -> None:

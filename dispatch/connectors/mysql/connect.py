@@ -1,0 +1,298 @@
+"""Connecting to a `mysql` datasource: the site's target policy, the session's settings
+and timeouts, errors classified (permanent or transient) and scrubbed of secrets, and
+the interrupt that stops a running statement (`KILL QUERY` from a second connection)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pymysql
+from django.core.exceptions import ValidationError
+
+from dispatch.connectors.base import (
+    ConnectorError,
+    PermanentError,
+    Stopped,
+    TransferContext,
+    TransientError,
+    int_field,
+)
+from dispatch.connectors.mysql import localinfile
+from dispatch.security import limits, targets
+
+log = logging.getLogger("dispatch.connectors")
+
+CONNECT_TIMEOUT_SECONDS = 10
+DEFAULT_PORT = 3306
+DEFAULT_STATEMENT_TIMEOUT_SECONDS = 3600
+DEFAULT_LOCK_TIMEOUT_SECONDS = 10
+TLS_MODES = ("preferred", "required", "verify_identity", "disabled")
+
+# Server error numbers whose retry cannot help: access (1044, 1045, 1142, 1143, 1227,
+# 1370), unknown database/table/column (1049, 1146, 1054), syntax (1064, 1149), data that
+# does not fit (1264, 1292, 1366, 1406, 1265, 1048, 1452), duplicates (1062), a write in a
+# READ ONLY transaction (1792), too many rows of a subquery (1242), unknown function (1305).
+_PERMANENT = {
+    1044, 1045, 1048, 1049, 1054, 1062, 1064, 1142, 1143, 1146, 1149, 1227, 1242, 1264,
+    1265, 1292, 1305, 1366, 1370, 1406, 1452, 1792, 3140, 4025,
+}  # fmt: skip
+
+
+def _secrets(config: dict[str, Any]) -> list[str]:
+    return [str(config["password"])] if config.get("password") else []
+
+
+def _scrub(text: str, secrets: list[str]) -> str:
+    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        text = text.replace(secret, "********")
+    return re.sub(r"(?i)\b(mysql|mariadb)://[^/\s@]*@", r"\1://********@", text)
+
+
+def classify(exc: BaseException, secrets: list[str], what: str) -> ConnectorError:
+    if isinstance(exc, ConnectorError):
+        return exc
+    code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
+    message = exc.args[1] if len(exc.args) > 1 else str(exc)
+    text = f"{what}: {_scrub(' '.join(str(message).split()), secrets)[:2000]}"
+    if code is not None:
+        text += f" (MySQL error {code})"
+    if code in _PERMANENT or isinstance(exc, pymysql.err.ProgrammingError):
+        return PermanentError(text)
+    return TransientError(text)
+
+
+@contextlib.contextmanager
+def errors(secrets: list[str], what: str) -> Iterator[None]:
+    try:
+        yield
+    except pymysql.Error as exc:
+        raise classify(exc, secrets, what) from None
+    except OSError as exc:
+        raise TransientError(f"{what}: {type(exc).__name__}: {exc.strerror or exc}") from None
+    except localinfile.RefusedRequest as exc:
+        raise PermanentError(f"{what}: {exc}") from None
+
+
+# --- validation and policy -------------------------------------------------------------------
+def parse_table(value: Any, field: str = "table") -> tuple[str | None, str]:
+    """`name` or `database.name` -> (database or None, name); each quoted with backticks."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValidationError(f"{field}: must be a table name, 'name' or 'database.name'")
+    parts = value.strip().split(".")
+    if len(parts) > 2 or any(not p.strip() for p in parts):
+        raise ValidationError(f"{field}: {value!r} is not 'name' or 'database.name'")
+    if any("`" in p or "\x00" in p or len(p) > 64 for p in parts):
+        raise ValidationError(
+            f"{field}: write names without backticks, at most 64 characters each; each part "
+            "is quoted for you"
+        )
+    return (None, parts[0].strip()) if len(parts) == 1 else (parts[0].strip(), parts[1].strip())
+
+
+def ident(name: str) -> str:
+    """A MySQL identifier, quoted (names are validated to hold no backtick or NUL)."""
+    if "`" in name or "\x00" in name:
+        raise PermanentError(f"the name {name!r} cannot be quoted")
+    return f"`{name}`"
+
+
+def table_sql(database: str | None, name: str) -> str:
+    return f"{ident(database)}.{ident(name)}" if database else ident(name)
+
+
+def policy_errors(config: dict[str, Any]) -> list[str]:
+    """The site's target policy (docs/security.md): the host must be allowed, and the
+    site's own database server (host and port of DATABASES) is refused unless allowed."""
+    host = str(config.get("host") or "")
+    problems = []
+    refused = targets.host_refused(host) if host else "no host given"
+    if refused:
+        problems.append(refused)
+    if not targets.site_database_allowed():
+        from django.db import connection as site
+
+        s = site.settings_dict
+        loopback = {"", "localhost", "127.0.0.1", "::1"}
+
+        def norm(value: Any) -> str:
+            text = str(value or "").lower()
+            return "localhost" if text in loopback else text
+
+        if norm(host) == norm(s.get("HOST")) and str(config.get("port") or DEFAULT_PORT) == str(
+            s.get("PORT") or 5432
+        ):
+            problems.append(
+                "this is the site's own database server; a datasource may not use it "
+                "(DISPATCH_ALLOW_SITE_DATABASE)"
+            )
+    return problems
+
+
+def timeouts(spec: dict[str, Any]) -> tuple[int, int]:
+    values = []
+    for name, default, maximum in (
+        (
+            "statement_timeout_seconds",
+            DEFAULT_STATEMENT_TIMEOUT_SECONDS,
+            limits.MAX_STATEMENT_TIMEOUT_SECONDS,
+        ),
+        ("lock_timeout_seconds", DEFAULT_LOCK_TIMEOUT_SECONDS, limits.MAX_LOCK_TIMEOUT_SECONDS),
+    ):
+        int_field(spec, name, default=None, minimum=1, maximum=maximum)
+        values.append(int(spec.get(name) or default))
+    return values[0], values[1]
+
+
+# --- connections -----------------------------------------------------------------------------
+def _ssl(config: dict[str, Any]) -> dict[str, Any] | None:
+    mode = config.get("tls") or "preferred"
+    if mode == "disabled":
+        return None
+    if mode == "verify_identity":
+        return {"check_hostname": True, "verify_mode": True}
+    return {"check_hostname": False, "verify_mode": False}
+
+
+def connect(
+    config: dict[str, Any],
+    *,
+    what: str,
+    spec: dict[str, Any] | None = None,
+    local_stream: bool = False,
+) -> pymysql.connections.Connection[Any]:
+    """A connection under the site's target policy: no option file is read (pymysql reads
+    one only when asked), TLS as the config says, and `LOCAL INFILE` only with
+    `local_stream` (the sink's connection): a `StreamConnection`, which answers the
+    server's request with the writer's own rows alone (localinfile.py). Every read and write
+    on its socket is bounded: by the spec's statement timeout and a minute (the server
+    ends a statement at its timeout; this catches a server that stopped answering), or
+    by CONNECT_TIMEOUT_SECONDS for a connection without a spec (a test, a cancel)."""
+    socket_timeout = timeouts(spec)[0] + 60 if spec is not None else CONNECT_TIMEOUT_SECONDS
+    problems = policy_errors(config)
+    if problems:
+        raise PermanentError(f"{what}: refused by the site's target policy: {'; '.join(problems)}")
+    host = str(config["host"])
+    kwargs: dict[str, Any] = {
+        "user": config.get("user") or "",
+        "password": config.get("password") or "",
+        "database": config.get("database") or None,
+        "charset": "utf8mb4",
+        "connect_timeout": CONNECT_TIMEOUT_SECONDS,
+        "autocommit": False,
+        "local_infile": local_stream,
+        "read_timeout": socket_timeout,
+        "write_timeout": socket_timeout,
+        "binary_prefix": True,
+        "cursorclass": pymysql.cursors.Cursor,
+    }
+    if host.startswith("/"):
+        kwargs["unix_socket"] = host
+    else:
+        kwargs["host"] = host
+        kwargs["port"] = int(config.get("port") or DEFAULT_PORT)
+        ssl = _ssl(config)
+        if ssl is not None:
+            kwargs["ssl"] = ssl
+    secrets = _secrets(config)
+    make = localinfile.StreamConnection if local_stream else pymysql.connections.Connection
+    with errors(secrets, what):
+        try:
+            return make(**kwargs)
+        except pymysql.err.OperationalError as exc:
+            # "preferred": a server without TLS is spoken to in clear, as libpq's prefer.
+            if config.get("tls") in (None, "", "preferred") and "ssl" in kwargs and _no_tls(exc):
+                del kwargs["ssl"]
+                return make(**kwargs)
+            raise
+
+
+def _no_tls(exc: BaseException) -> bool:
+    return "SSL" in str(exc) or "TLS" in str(exc)
+
+
+def session(conn: Any, spec: dict[str, Any], *, read_only: bool) -> dict[str, Any]:
+    """Set the session up: strict modes (a value that does not fit is an error, never
+    truncated), UTC, utf8mb4, the statement and lock timeouts, the isolation level. Returns
+    what the server says of itself: {"mariadb": bool, "thread_id": int}."""
+    statement, lock = timeouts(spec)
+    with conn.cursor() as cur:
+        cur.execute("SELECT VERSION(), CONNECTION_ID()")
+        version, thread_id = cur.fetchone()
+        mariadb = "mariadb" in str(version).lower()
+        cur.execute(
+            "SET SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ZERO_DATE,NO_ZERO_IN_DATE,"
+            "ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION,NO_AUTO_VALUE_ON_ZERO',"
+            " time_zone = '+00:00', innodb_lock_wait_timeout = %s, lock_wait_timeout = %s,"
+            " net_write_timeout = %s, net_read_timeout = %s",
+            [lock, lock, statement, statement],
+        )
+        if mariadb:
+            cur.execute("SET SESSION max_statement_time = %s", [statement])
+        else:
+            cur.execute("SET SESSION max_execution_time = %s", [statement * 1000])
+        cur.execute(
+            "SET SESSION TRANSACTION ISOLATION LEVEL "
+            + ("REPEATABLE READ" if read_only else "READ COMMITTED")
+        )
+    conn.commit()
+    return {"mariadb": mariadb, "thread_id": int(thread_id), "version": str(version)}
+
+
+class Interrupter:
+    """Stops the statement running on a connection when the transfer must stop (a
+    timeout, a cancel, a lost lease): `KILL QUERY <id>` sent from a second connection of
+    the same user; the blocked call then fails (MySQL error 1317) and the transaction
+    rolls back."""
+
+    def __init__(self, ctx: TransferContext | None, config: dict[str, Any]) -> None:
+        self.ctx = ctx
+        self.config = config
+        self.thread_id: int | None = None
+        self._conn: Any = None
+        self._lock = threading.Lock()
+        self._unregister: Callable[[], None] | None = None
+        self.killed = False
+
+    def attach(self, thread_id: int, conn: Any) -> None:
+        self.thread_id = thread_id
+        self._conn = conn
+        if self.ctx is not None:
+            self._unregister = self.ctx.on_stop(self.interrupt)
+            if self.ctx.should_stop():
+                raise Stopped("stop requested while connecting")
+
+    def interrupt(self) -> None:
+        with self._lock:
+            if self.thread_id is None:
+                return
+            try:
+                conn = connect(self.config, what="cancel")
+                try:
+                    with conn.cursor() as cur:
+                        cur.execute("KILL QUERY %s", [self.thread_id])
+                    self.killed = True
+                finally:
+                    conn.close()
+            except (ConnectorError, pymysql.Error, OSError) as exc:  # logged, not raised
+                # The server cannot be reached to kill the statement: shut the
+                # connection's socket down, so the blocked call fails at once (the server
+                # rolls the transaction back when it notices).
+                log.warning("mysql: could not interrupt the running statement: %s", exc)
+                sock = getattr(self._conn, "_sock", None)
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        if self._unregister is not None:
+            self._unregister()
+            self._unregister = None
+        with self._lock:
+            self.thread_id = None
+            self._conn = None
