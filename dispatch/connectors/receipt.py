@@ -97,7 +97,10 @@ def digest_sql(
         [
             part
             for i, c in enumerate(columns)
-            for part in ([sql.SQL(" || E'\\t' || ")] if i else []) + [_column_text(c)]
+            for part in (
+                [sql.SQL(" OPERATOR(pg_catalog.||) E'\\t' OPERATOR(pg_catalog.||) ")] if i else []
+            )
+            + [_column_text(c)]
         ]
     )
     key = sql.Identifier(group) if group is not None else sql.SQL("NULL::uuid")
@@ -108,7 +111,7 @@ def digest_sql(
         " THEN s - 18446744073709551616 ELSE s END)::bigint), 16, '0')"
         " FROM (SELECT g, pg_catalog.count(*) AS n,"
         "  pg_catalog.mod(coalesce(pg_catalog.sum(h), 0), 18446744073709551616) AS s"
-        "  FROM (SELECT {} AS g, pg_catalog.mod((('x' || pg_catalog.left(pg_catalog.md5("
+        "  FROM (SELECT {} AS g, pg_catalog.mod((('x' OPERATOR(pg_catalog.||) pg_catalog.left(pg_catalog.md5("
         "pg_catalog.convert_to({}, 'UTF8')), 16))::bit(64)::bigint)::numeric"
         " + 18446744073709551616, 18446744073709551616) AS h FROM {} AS t{}) AS hashes"
         "  GROUP BY g) AS total"

@@ -783,6 +783,13 @@ class Attempt(models.Model):
                 name="dispatch_attempt_blocked_idx",
                 condition=Q(blocked_reason__isnull=False),
             ),
+            # The health scan's schema-change alerts: the attempts of the runs it read
+            # that changed a sink's columns (a few), whatever the statistics say.
+            models.Index(
+                fields=["run"],
+                name="dispatch_attempt_schema_idx",
+                condition=Q(schema_changes__isnull=False),
+            ),
         ]
 
     def __str__(self) -> str:

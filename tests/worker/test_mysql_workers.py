@@ -222,8 +222,16 @@ def test_incremental__postgresql_into_mysql_killed_mid_copy_then_exactly_once(
             cur.execute("SELECT 1 FROM gate WHERE name = 'b' FOR UPDATE")
         run = factories.trigger(binding)
         doomed = processes.worker("--worker-id", "doomed")
-        waiting = "SELECT trx_mysql_thread_id FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'"
-        wait_until(lambda: mydb.execute(waiting), timeout=60, message="the sink's INSERT waits")
+        # The sink's load waits on the gate: a row lock wait, or (MariaDB's bulk load into
+        # an empty table, which defers its rows and shows no lock wait) its LOAD DATA
+        # statement still running; either way nothing of it can commit.
+        waiting = (
+            "SELECT trx_mysql_thread_id FROM information_schema.INNODB_TRX"
+            " WHERE trx_state = 'LOCK WAIT'"
+            " UNION SELECT id FROM information_schema.PROCESSLIST"
+            " WHERE info LIKE 'LOAD DATA LOCAL INFILE%'"
+        )
+        wait_until(lambda: mydb.execute(waiting), timeout=60, message="the sink's load waits")
         doomed.send_signal(signal.SIGKILL)
         doomed.wait(10)
         for (thread,) in mydb.execute(waiting):
