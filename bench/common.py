@@ -669,14 +669,17 @@ class Report:
         if doc:
             DOC.parent.mkdir(parents=True, exist_ok=True)
             if not DOC.exists():
-                DOC.write_text(
-                    "# Benchmarks\n\nEach section is appended by one run of `python -m bench "
-                    "NAME` (`make bench` runs them all). Every figure is a ratio of two things "
-                    "measured side by side in the same run, alternated over several rounds, "
-                    "as a median with its min-max.\n"
-                )
+                DOC.write_text(DOC_INTRO)
             with DOC.open("a") as f:
                 f.write("\n" + text)
+
+
+# The head of docs/benchmarks.md when a benchmark writes it first.
+DOC_INTRO = (
+    "# Benchmarks\n\nEach section is appended by one run of `python -m bench NAME` (`make "
+    "bench` runs them all). Every figure is a ratio of two things measured side by side in "
+    "the same run, alternated over several rounds, as a median with its min-max.\n"
+)
 
 
 def plot_path(name: str) -> Path:

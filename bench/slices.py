@@ -31,7 +31,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from bench.copy_pg import INTRO, connect, ensure_db, machine, url, vm_hwm_kib
+from bench import common
+from bench.copy_pg import connect, url, vm_hwm_kib
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -361,7 +362,7 @@ def main(argv: list[str]) -> int:
         args.rows, args.rounds, args.no_doc = 100_000, 1, True
     (ROOT / "bench" / "results").mkdir(exist_ok=True)
     for db in (APP_DB, SRC_DB, DST_DB):
-        ensure_db(args.server, db)
+        common.ensure_database(args.server, db)
     ensure_source(args.server, args.rows)
     bindings = setup_app(args.server, 2 * args.concurrency)
     load_before = loadavg()
@@ -441,13 +442,13 @@ def main(argv: list[str]) -> int:
         f"- load average before: {load_before}; after: {load_after}",
         f"- command: `.venv/bin/python -m bench slices --rows {args.rows} --rounds "
         f"{args.rounds} --concurrency {args.concurrency}`",
-        f"- machine: {machine(args.server)}",
+        "- machine: " + ", ".join(f"{k} {v}" for k, v in common.machine(args.server).items()),
         "",
     ]
     text = "\n".join(lines)
     print(text)
     if not args.no_doc:
-        existing = DOC.read_text() if DOC.exists() else INTRO
+        existing = DOC.read_text() if DOC.exists() else common.DOC_INTRO
         DOC.write_text(existing.rstrip("\n") + "\n\n" + text)
     return 0
 

@@ -145,7 +145,10 @@ def test_demo_files__valid_by_the_published_schema(name: str) -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_demo_mysql__seeded_only_with_a_server_and_its_binding_copies(
-    tmp_path: Path, demo_databases: tuple[str, str], mariadb: MariaDB
+    tmp_path: Path,
+    demo_databases: tuple[str, str],
+    mariadb: MariaDB,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     password_file = tmp_path / "password"
     password_file.write_text("demo-login-pw")
@@ -156,15 +159,17 @@ def test_demo_mysql__seeded_only_with_a_server_and_its_binding_copies(
         kind="postgresql",
         config={"url": dev.demo_url(test_database_url(), demo_databases[1])},
     )
-    call_command("seed_demo", *args, "--mysql-url", "")
+    monkeypatch.delenv("DISPATCH_DEMO_MYSQL_URL", raising=False)
+    call_command("seed_demo", *args)
     assert not JobBinding.objects.filter(name="demo-orders-mariadb-to-pg").exists()
     url = (
         f"mysql://{mariadb.admin_user}:{mariadb.admin_password}@127.0.0.1:{mariadb.port}"
         "/dispatch_demo_test"
     )
     out = io.StringIO()
-    call_command("seed_demo", *args, "--mysql-url", url, stdout=out)
-    call_command("seed_demo", *args, "--mysql-url", url, stdout=out)  # idempotent
+    monkeypatch.setenv("DISPATCH_DEMO_MYSQL_URL", url)
+    call_command("seed_demo", *args, stdout=out)
+    call_command("seed_demo", *args, stdout=out)  # idempotent
     assert mariadb.admin_password not in out.getvalue()
     binding = JobBinding.objects.select_related("job", "source").get(
         name="demo-orders-mariadb-to-pg"

@@ -56,18 +56,13 @@ class Command(BaseCommand):
             help=f"the database the demo's copies go to (default {DEMO_SINK_DB})",
         )
 
-        parser.add_argument(
-            "--mysql-url",
-            default=os.environ.get(MYSQL_URL_VARIABLE) or None,
-            help="mysql://user:password@host:port/database of a MariaDB or MySQL server: seed "
-            "an orders table there and a MariaDB -> PostgreSQL binding (default: "
-            f"${MYSQL_URL_VARIABLE}; none: no such binding)",
-        )
-
     def handle(self, *args: Any, **options: Any) -> None:
         self._seed_databases(options["source_db"], options["sink_db"])
-        if options["mysql_url"]:
-            self._seed_mysql(options["mysql_url"])
+        # The URL holds a password: read from the environment only, never an argument
+        # (a command line is visible to every user of the machine).
+        mysql_url = os.environ.get(MYSQL_URL_VARIABLE)
+        if mysql_url:
+            self._seed_mysql(mysql_url)
         if options["csv_dir"] is not None:
             self._seed_csv_file(Path(options["csv_dir"]).absolute())
         self._seed_login(options["admin_password_file"])
@@ -105,7 +100,9 @@ class Command(BaseCommand):
 
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("mysql", "mariadb") or not parts.hostname:
-            raise CommandError("--mysql-url must be mysql://user:password@host:port/database")
+            raise CommandError(
+                f"{MYSQL_URL_VARIABLE} must be mysql://user:password@host:port/database"
+            )
         config: dict[str, Any] = {
             "host": parts.hostname,
             "port": parts.port or 3306,
