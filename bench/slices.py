@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,17 +141,6 @@ def reset_sink(server: str) -> None:
         c.execute(sql.SQL("CREATE TABLE {} (" + COLUMNS + ")").format(sql.Identifier(COPY)))  # type: ignore[operator]
         c.execute("DROP TABLE IF EXISTS dispatch_fence, dispatch_slice_commit")
         c.execute("CHECKPOINT")
-
-
-def wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def cpu_ticks(pid: int) -> int | None:
@@ -281,10 +269,10 @@ def one_round(server: str, binding: Any, case: int, rows: int, concurrency: int)
     try:
         with connect(server, APP_DB) as app:
             # Both listening: each logs its LISTEN self-probe's answer, naming its pid.
-            wait(
+            common.wait_for(
                 lambda: all(any(f":{p.pid}:" in line for line in listening(offset)) for p in procs),
-                60,
-                "both workers to listen",
+                timeout=60,
+                what="both workers to listen",
             )
             sampler = Sampler([p.pid for p in procs])
             sampler.start()

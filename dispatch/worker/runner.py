@@ -636,12 +636,7 @@ class Runner:
         except (Stopped, LeaseLost) as exc:
             return self._stopped(exc)
         except ConnectorError as exc:
-            if self.control.cause is not None:
-                return self._stopped(exc)
-            outcome, reason = (
-                ("PERMANENT", Reason.PERMANENT_ERROR) if exc.permanent else ("ERROR", Reason.ERROR)
-            )
-            return self.settle(outcome, reason, str(exc))
+            return self._connector_failed(exc)
         except Exception as exc:  # noqa: BLE001 - any failure of a connector is the attempt's
             # Not a ConnectorError: a fault of a connector (or of this code). The attempt
             # records it; the worker log keeps its message, sanitized as the attempt's
@@ -754,12 +749,7 @@ class Runner:
         except (Stopped, LeaseLost) as exc:
             return self._stopped(exc)
         except ConnectorError as exc:
-            if self.control.cause is not None:
-                return self._stopped(exc)
-            outcome, reason = (
-                ("PERMANENT", Reason.PERMANENT_ERROR) if exc.permanent else ("ERROR", Reason.ERROR)
-            )
-            return self.settle(outcome, reason, str(exc))
+            return self._connector_failed(exc)
         try:
             status, started = claims.plan_slices(
                 c.attempt_id,
@@ -865,6 +855,16 @@ class Runner:
         for batch in reader.batches():
             ctx.progress(rows_read=len(batch))
             ctx.progress(rows_written=writer.write(batch))
+
+    def _connector_failed(self, exc: ConnectorError) -> str | None:
+        """A connector's error ends the attempt: a stop asked meanwhile wins (the error is
+        its consequence); else a permanent error fails it, another one is retried."""
+        if self.control.cause is not None:
+            return self._stopped(exc)
+        outcome, reason = (
+            ("PERMANENT", Reason.PERMANENT_ERROR) if exc.permanent else ("ERROR", Reason.ERROR)
+        )
+        return self.settle(outcome, reason, str(exc))
 
     def _stopped(self, exc: BaseException) -> str | None:
         cause = self.control.cause
