@@ -174,7 +174,7 @@ def claim_probe(conn: psycopg.Connection[Any], binding: uuid.UUID, *, generic: b
     takes the oldest eligible attempt (that one, or a worker's, held for milliseconds and
     then released by the rollback). The workers' rows are only ever locked SKIP LOCKED or,
     for the binding, with a 1 s lock_timeout."""
-    from dispatch.sqlfiles import query
+    from dispatch.core.sqlfiles import query
 
     run = uuid.uuid4()
     with conn.transaction(force_rollback=True):

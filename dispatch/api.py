@@ -20,10 +20,10 @@ from django.db.models import DurationField, ExpressionWrapper, F
 from django.db.models.functions import Coalesce, Now
 
 from dispatch import services
+from dispatch.core.progress import Progress
+from dispatch.core.states import TERMINAL_RUN_STATUSES, Status, Trigger
 from dispatch.models import Attempt, JobBinding, Run
-from dispatch.progress import Progress
 from dispatch.services import Outcome
-from dispatch.states import TERMINAL_RUN_STATUSES, Status, Trigger
 
 __all__ = [
     "ActionRefused",

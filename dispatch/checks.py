@@ -15,7 +15,7 @@ from django.conf import settings
 from django.core.checks import Error, Tags, Warning, register
 from django.db import DatabaseError, connections, transaction
 
-from dispatch import conf
+from dispatch.core import conf
 
 # Every check id, with what it means. A check that is added gets its row here first.
 CHECK_IDS: dict[str, str] = {
@@ -437,7 +437,7 @@ def check_command_names(app_configs: Any = None, **kwargs: Any) -> list[Warning]
     `runworker`). `manage.py dispatch SUBCOMMAND` always reaches dispatch's."""
     from django.core.management import get_commands
 
-    from dispatch import commands
+    from dispatch.core import commands
 
     winners = get_commands()
     warnings = []

@@ -23,11 +23,10 @@ from django.db import DatabaseError, connection, transaction
 from django.db.models import Max
 from django.db.models.functions import Now
 
-from dispatch import conf, deadline, signals, sqlfiles
-from dispatch.models import Attempt, BindingCursor, JobBinding, Run, Slice, SlicePlan
-from dispatch.progress import Progress
-from dispatch.security import crypto
-from dispatch.states import (
+from dispatch import signals
+from dispatch.core import conf, deadline, sqlfiles
+from dispatch.core.progress import Progress
+from dispatch.core.states import (
     LIVE_STATUSES,
     RETRYABLE_RUN_STATUSES,
     Origin,
@@ -35,6 +34,8 @@ from dispatch.states import (
     Status,
     Trigger,
 )
+from dispatch.models import Attempt, BindingCursor, JobBinding, Run, Slice, SlicePlan
+from dispatch.security import crypto
 
 log = logging.getLogger("dispatch.services")
 

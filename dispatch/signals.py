@@ -30,9 +30,9 @@ from typing import Any
 from django.db import transaction
 from django.dispatch import Signal
 
-from dispatch.db import DB_ERRORS, one_line, storable
+from dispatch.core.db import DB_ERRORS, one_line, storable
+from dispatch.core.states import TERMINAL_RUN_STATUSES
 from dispatch.models import Attempt, Run
-from dispatch.states import TERMINAL_RUN_STATUSES
 
 log = logging.getLogger("dispatch.signals")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from dispatch import conf
+from dispatch.core import conf
 from dispatch.http.api import api, openapi_json
 from dispatch.ops import health, metrics
 

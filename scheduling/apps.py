@@ -13,7 +13,7 @@ class SchedulingConfig(AppConfig):
     # Read by dispatch's definition files (dispatch.ascode.kinds.all_kinds), which never
     # import this app: the `schedules` section.
     ascode_kinds = ("scheduling.ascode.ScheduleKind",)
-    # Read by dispatch (dispatch.hooks), which never imports this app. `runworker` runs
+    # Read by dispatch (dispatch.core.hooks), which never imports this app. `runworker` runs
     # the reconciler loop in a thread beside the engine unless --no-scheduler, woken
     # through the worker's own LISTEN connection (which listens on the schedule channel
     # too), and under --burst one pass before it drains:

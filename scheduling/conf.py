@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.conf import settings
 
-from dispatch import conf as dispatch_conf
+from dispatch.core import conf as dispatch_conf
 
 # The loop never sleeps longer than this, whatever the earliest next_fire_at: a lost
 # notification or a schedule written by SQL is picked up within this bound.

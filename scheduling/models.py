@@ -15,7 +15,7 @@ from django.db import models, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
-from dispatch.db import db_now
+from dispatch.core.db import db_now
 from dispatch.models import JobBinding, Run
 from dispatch.models.core import managed_by_field
 from dispatch.security import names

@@ -43,9 +43,9 @@ from django.db import connection, transaction
 from psycopg import sql
 
 from dispatch import services
-from dispatch.db import DB_ERRORS
+from dispatch.core.db import DB_ERRORS
+from dispatch.core.states import Trigger
 from dispatch.models import JobBinding, Run
-from dispatch.states import Trigger
 from dispatch.worker import listen as dispatch_listen
 from dispatch.worker.log import db_error
 from scheduling import conf, cron, sqlfiles

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dispatch.sqlfiles import NamedQueries
+from dispatch.core.sqlfiles import NamedQueries
 
 SQL_DIR = Path(__file__).resolve().parent / "sql"
 _QUERIES = NamedQueries(SQL_DIR / "queries.sql")

@@ -9,8 +9,8 @@ import uuid
 
 from django.db import connection, transaction
 
-from dispatch import sqlfiles as dispatch_sqlfiles
-from dispatch.db import DB_ERRORS
+from dispatch.core import sqlfiles as dispatch_sqlfiles
+from dispatch.core.db import DB_ERRORS
 from dispatch.worker.log import db_error
 from scheduling import conf, sqlfiles
 

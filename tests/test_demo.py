@@ -20,8 +20,8 @@ from pyarrow.dataset import dataset as pq_dataset
 from dispatch import api
 from dispatch.connectors.mysql import MySQLConnector
 from dispatch.connectors.postgresql import PostgreSQLConnector
+from dispatch.core.states import Status
 from dispatch.models import MANAGED_BY_FILES, Datasource, Job, JobBinding
-from dispatch.states import Status
 from project import dev
 from project.management.commands.seed_demo import MYSQL_DEMO_ROWS
 from scheduling.models import Schedule

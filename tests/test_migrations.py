@@ -21,7 +21,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.migrations.executor import MigrationExecutor
 from django.db.migrations.loader import MigrationLoader
 
-from dispatch import sqlfiles
+from dispatch.core import sqlfiles
 from tests.support.connectors import connect, drop_database, recreate_database
 
 # The test database is set up (the scratch databases are named after it); the tests run on

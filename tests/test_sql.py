@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from django.db import IntegrityError, connection, transaction
 
-from dispatch import sqlfiles
+from dispatch.core import sqlfiles
 from scheduling import sqlfiles as scheduling_sqlfiles
 from tests.support.factories import BindingFactory
 
@@ -52,12 +52,12 @@ def test_snapshots__none_is_edited_and_none_is_unlisted():
 # --- every named statement the code uses exists -----------------------------------------
 # The three lookups, by the dotted name a call resolves to, and the statements of each.
 LOOKUPS: dict[str, tuple[str, Callable[[], list[str]]]] = {
-    "dispatch.sqlfiles.query": ("dispatch/sql/queries.sql", sqlfiles.query_names),
-    "dispatch.sqlfiles.ops_query": ("dispatch/sql/ops.sql", sqlfiles.ops_query_names),
+    "dispatch.core.sqlfiles.query": ("dispatch/sql/queries.sql", sqlfiles.query_names),
+    "dispatch.core.sqlfiles.ops_query": ("dispatch/sql/ops.sql", sqlfiles.ops_query_names),
     "scheduling.sqlfiles.query": ("scheduling/sql/queries.sql", scheduling_sqlfiles.query_names),
 }
 # The modules that define the lookups (their own calls forward a caller's name).
-DEFINERS = {"dispatch/sqlfiles.py", "scheduling/sqlfiles.py"}
+DEFINERS = {"dispatch/core/sqlfiles.py", "scheduling/sqlfiles.py"}
 LOOKUP_NAMES = {"query", "ops_query"}
 SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
@@ -258,8 +258,8 @@ def test_statements__every_statement_of_a_file_is_looked_up_by_the_code():
 
 def test_statements__the_check_follows_helpers_and_conditionals_and_flags_what_is_missing():
     source = """
-from dispatch import sqlfiles as dispatch_sqlfiles
-from dispatch.sqlfiles import ops_query, query
+from dispatch.core import sqlfiles as dispatch_sqlfiles
+from dispatch.core.sqlfiles import ops_query, query
 from scheduling import sqlfiles
 
 def run(name):
@@ -289,8 +289,8 @@ query(compute())
 """
     checked, problems = statement_problems([Module(source, "example.py")])
     assert checked == {
-        "dispatch.sqlfiles.query": 2,
-        "dispatch.sqlfiles.ops_query": 1,
+        "dispatch.core.sqlfiles.query": 2,
+        "dispatch.core.sqlfiles.ops_query": 1,
         "scheduling.sqlfiles.query": 2,
     }
     assert problems == [

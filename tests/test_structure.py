@@ -11,7 +11,7 @@ import pytest
 from django.core.management import call_command
 from django.db import InternalError, connection, transaction
 
-from dispatch import sqlfiles, states
+from dispatch.core import sqlfiles, states
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -156,3 +156,27 @@ def test_no_constant_is_defined_again_in_another_module() -> None:
                 owners.setdefault(items, []).append(f"{path.relative_to(ROOT)}:{name}")
     again = [places for places in owners.values() if len(places) > 1]
     assert not again, again
+
+
+# The paths host code and Django name; every other module lives in the folder of its role
+# (docs/architecture.md, "Where the code is").
+TOP_LEVEL_MODULES = {
+    "__init__",
+    "admin",
+    "admin_site",
+    "api",
+    "apps",
+    "checks",
+    "client",
+    "models",
+    "services",
+    "signals",
+    "urls",
+}
+
+
+def test_the_top_of_dispatch_holds_only_its_public_paths() -> None:
+    top = {path.stem for path in (ROOT / "dispatch").glob("*.py")}
+    assert top <= TOP_LEVEL_MODULES, (
+        f"move into the folder of its role: {sorted(top - TOP_LEVEL_MODULES)}"
+    )

@@ -37,11 +37,12 @@ from django.db import connection
 from django.db.models import Exists, OuterRef, Q
 from psycopg import sql
 
-from dispatch import conf, services
-from dispatch.db import DB_ERRORS, db_now
+from dispatch import services
+from dispatch.core import conf
+from dispatch.core.db import DB_ERRORS, db_now
+from dispatch.core.states import BlockedReason, Status
 from dispatch.models import Attempt, Datasource, Job, JobBinding, Run
 from dispatch.models.ops import HealthState
-from dispatch.states import BlockedReason, Status
 from dispatch.verify import invariants
 from tools.blackhole import BlackholeProxy
 

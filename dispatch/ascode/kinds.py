@@ -20,12 +20,12 @@ from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils.module_loading import import_string
 
-from dispatch import conf
 from dispatch.ascode.loader import Document
 from dispatch.connectors import registry
+from dispatch.core import conf
+from dispatch.core.states import LIVE_STATUSES
 from dispatch.models import MANAGED_BY_FILES, Datasource, Job, JobBinding, redact
 from dispatch.security import crypto, secretrefs, sqlperm
-from dispatch.states import LIVE_STATUSES
 
 _TYPE_WORDS = {
     bool: "true or false",

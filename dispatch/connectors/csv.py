@@ -35,7 +35,6 @@ from typing import IO, Any, TextIO
 
 from django.core.exceptions import ValidationError
 
-from dispatch import conf
 from dispatch.connectors import csv_state, incremental
 from dispatch.connectors.base import (
     Batch,
@@ -50,6 +49,7 @@ from dispatch.connectors.base import (
     check_unknown,
     require_object,
 )
+from dispatch.core import conf
 from dispatch.security import paths
 
 BATCH_ROWS = 5000

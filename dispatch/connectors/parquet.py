@@ -27,7 +27,6 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from django.core.exceptions import ValidationError
 
-from dispatch import conf
 from dispatch.connectors import csv, incremental
 from dispatch.connectors import parquet_manifest as manifest
 from dispatch.connectors import parquet_types as types
@@ -45,6 +44,7 @@ from dispatch.connectors.base import (
     int_field,
     require_object,
 )
+from dispatch.core import conf
 
 BATCH_ROWS = 5000
 # Rows buffered before a row group is written: the writer's memory bound.

@@ -8,8 +8,8 @@ from functools import cache
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-from dispatch import conf
 from dispatch.connectors.base import Connector
+from dispatch.core import conf
 
 BUILTIN = [
     "dispatch.connectors.builtin.GenerateConnector",

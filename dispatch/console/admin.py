@@ -43,7 +43,7 @@ from django.utils.safestring import SafeString
 from django.utils.timezone import is_aware, localtime
 from django.views.decorators.debug import sensitive_post_parameters
 
-from dispatch import conf, services
+from dispatch import services
 from dispatch.connectors import incremental
 from dispatch.connectors.base import ConnectorError
 from dispatch.connectors.postgresql.schema_policy import describe_changes
@@ -68,6 +68,15 @@ from dispatch.console.forms import BindingForm, DatasourceForm, JobForm, config_
 from dispatch.console.managed import ManagedByFilesAdmin
 from dispatch.console.overview import overview_view
 from dispatch.console.paging import CappedPaginator
+from dispatch.core import conf
+from dispatch.core.progress import Progress
+from dispatch.core.states import (
+    RETRYABLE_RUN_STATUSES,
+    UNFINISHED_RUN_STATUSES,
+    BlockedReason,
+    Status,
+    Trigger,
+)
 from dispatch.models import (
     SECRET_MASK,
     Attempt,
@@ -81,15 +90,7 @@ from dispatch.models import (
     SlicePlan,
     Worker,
 )
-from dispatch.progress import Progress
 from dispatch.security import crypto, jsondepth
-from dispatch.states import (
-    RETRYABLE_RUN_STATUSES,
-    UNFINISHED_RUN_STATUSES,
-    BlockedReason,
-    Status,
-    Trigger,
-)
 
 log = logging.getLogger("dispatch.console")
 

@@ -10,8 +10,8 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
 from dispatch import services
-from dispatch.progress import Progress, rate_text, seconds_text
-from dispatch.states import (
+from dispatch.core.progress import Progress, rate_text, seconds_text
+from dispatch.core.states import (
     TERMINAL_RUN_STATUSES,
     BlockedReason,
     Origin,

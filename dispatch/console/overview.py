@@ -15,14 +15,14 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import reverse
 
-from dispatch import conf, hooks
 from dispatch.console.paging import COUNT_CAP, capped_counts
-from dispatch.db import db_now
-from dispatch.models import Attempt, JobBinding, Run, Worker
-from dispatch.states import (
+from dispatch.core import conf, hooks
+from dispatch.core.db import db_now
+from dispatch.core.states import (
     Reason,
     Status,
 )
+from dispatch.models import Attempt, JobBinding, Run, Worker
 from dispatch.worker import listen
 
 if TYPE_CHECKING:

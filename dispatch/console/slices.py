@@ -17,8 +17,8 @@ from django.utils.safestring import SafeString
 
 from dispatch import services
 from dispatch.console.badges import status_badge
+from dispatch.core.progress import Progress, rate_text
 from dispatch.models import Run, Slice, SlicePlan
-from dispatch.progress import Progress, rate_text
 
 # Slices per page of a sliced run's table.
 SLICE_PAGE = 100

@@ -21,9 +21,9 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from dispatch import conf
 from dispatch.console.actions import ActionResult, ActionSpec
 from dispatch.console.admin import ConsoleAdmin, changelist_action
+from dispatch.core import conf
 from dispatch.models import ApiToken
 from dispatch.models.tokens import TOKEN_PREFIX
 from dispatch.services import ActionRefused

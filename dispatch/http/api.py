@@ -21,7 +21,7 @@ from ninja.errors import AuthenticationError, HttpError
 from ninja.errors import ValidationError as NinjaValidationError
 from ninja.parser import Parser
 
-from dispatch import conf
+from dispatch.core import conf
 from dispatch.http import problems
 from dispatch.http.auth import SessionAuth, TokenAuth
 from dispatch.http.problems import Problem

@@ -19,9 +19,9 @@ from typing import Any, Generic, TypeVar
 
 from django.db.models import Q, QuerySet
 
+from dispatch.core.states import Status
 from dispatch.http.problems import Problem
 from dispatch.models import Attempt, JobBinding, Run
-from dispatch.states import Status
 
 T = TypeVar("T")
 

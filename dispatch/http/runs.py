@@ -13,7 +13,9 @@ from django.http import HttpRequest
 from ninja import Query, Router, Schema
 from pydantic import Field
 
-from dispatch import api, conf
+from dispatch import api
+from dispatch.core import conf
+from dispatch.core.states import Status
 from dispatch.http import reads
 from dispatch.http.auth import Caller, require, require_binding
 from dispatch.http.problems import Problem
@@ -26,7 +28,6 @@ from dispatch.http.schemas import (
     run_out,
 )
 from dispatch.models import Run
-from dispatch.states import Status
 
 router = Router(tags=["runs"])
 

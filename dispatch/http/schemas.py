@@ -15,8 +15,8 @@ from ninja import Schema
 from pydantic import Field
 
 from dispatch.api import MAX_KEY_LENGTH
+from dispatch.core.states import TERMINAL_RUN_STATUSES
 from dispatch.models import Attempt, BindingCursor, BindingHealth, JobBinding, Run
-from dispatch.states import TERMINAL_RUN_STATUSES
 
 
 class HealthOut(Schema):

@@ -12,7 +12,7 @@ import time
 from typing import Any, TextIO
 
 from dispatch.api import RunResult
-from dispatch.progress import describe, rate_text, seconds_text
+from dispatch.core.progress import describe, rate_text, seconds_text
 
 
 def summary_lines(result: RunResult) -> list[str]:

@@ -18,7 +18,7 @@ import django.db.models.functions.datetime
 import uuid
 from django.db import migrations, models
 
-from dispatch.sqlfiles import install
+from dispatch.core.sqlfiles import install
 
 # The queue tables' storage parameters (0012_queue_table_autovacuum, which says why).
 QUEUE = (

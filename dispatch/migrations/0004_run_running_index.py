@@ -2,7 +2,7 @@
 
 from django.db import migrations, models
 
-from dispatch.sqlfiles import install
+from dispatch.core.sqlfiles import install
 
 
 class Migration(migrations.Migration):

@@ -1,6 +1,6 @@
 from django.db import migrations
 
-from dispatch.sqlfiles import install
+from dispatch.core.sqlfiles import install
 
 
 class Migration(migrations.Migration):

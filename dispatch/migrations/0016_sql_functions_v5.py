@@ -1,7 +1,7 @@
 import django.db.models.deletion
 from django.db import migrations, models
 
-from dispatch.sqlfiles import install
+from dispatch.core.sqlfiles import install
 
 
 class Migration(migrations.Migration):

@@ -1,6 +1,6 @@
 from django.db import migrations
 
-from dispatch.sqlfiles import install
+from dispatch.core.sqlfiles import install
 
 # Every function of snapshots 0002-0017 that sql/functions/ no longer holds: the entry
 # points no release calls (claims v1, v3, v4, settle and recover v1, the refreshes v1

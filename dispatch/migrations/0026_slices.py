@@ -5,7 +5,7 @@ import django.db.models.deletion
 import django.db.models.functions.datetime
 from django.db import migrations, models
 
-from dispatch.sqlfiles import install
+from dispatch.core.sqlfiles import install
 
 
 class Migration(migrations.Migration):

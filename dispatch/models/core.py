@@ -16,9 +16,7 @@ from django.db import models, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
-from dispatch.security import crypto, jsondepth, limits, names
-from dispatch.security.jsondepth import BoundedJSONField
-from dispatch.states import (
+from dispatch.core.states import (
     LIVE_STATUSES,
     TERMINAL_RUN_STATUSES,
     BlockedReason,
@@ -27,6 +25,8 @@ from dispatch.states import (
     Status,
     Trigger,
 )
+from dispatch.security import crypto, jsondepth, limits, names
+from dispatch.security.jsondepth import BoundedJSONField
 
 _LIVE = Q(status__in=[Status.PENDING, Status.RUNNING])
 

@@ -23,9 +23,9 @@ def alert_addresses(text: str) -> list[str]:
 
 
 def domain_allowed(address: str, domains: frozenset[str]) -> bool:
-    """Whether `domains` (`dispatch.conf.alert_email_domains()`) let a binding's alerts go
+    """Whether `domains` (`dispatch.core.conf.alert_email_domains()`) let a binding's alerts go
     to `address`: its domain is listed, or "*" is."""
-    from dispatch.conf import ANY_DOMAIN
+    from dispatch.core.conf import ANY_DOMAIN
 
     return ANY_DOMAIN in domains or address.rsplit("@", 1)[-1].lower() in domains
 
@@ -138,7 +138,7 @@ class BindingHealth(models.Model):
         from django.core.exceptions import ValidationError
         from django.core.validators import validate_email
 
-        from dispatch import conf
+        from dispatch.core import conf
 
         errors: dict[str, str] = {}
         addresses = alert_addresses(self.alert_emails)

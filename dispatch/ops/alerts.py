@@ -21,7 +21,7 @@ execution path:
 Notifiers: `email` (Django's mail: the binding's `alert_emails` at the site's alert
 domains, else the site's ADMINS) and `webhook` (a JSON POST signed with HMAC-SHA256 over
 the timestamp and the body: header `X-Dispatch-Signature: t=<unix time>,v1=<hex>`). Which
-are on is `DISPATCH_ALERT_NOTIFIERS`; see dispatch.conf for every setting.
+are on is `DISPATCH_ALERT_NOTIFIERS`; see dispatch.core.conf for every setting.
 
 An alert carries the run's link, status, reason and counts (`PAYLOAD_FIELDS`), never an
 error text: a source's or sink's error may quote the data, and the console shows it to
@@ -50,9 +50,10 @@ from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
-from dispatch import conf
 from dispatch.connectors.postgresql.schema_policy import ALERTED, describe_changes
-from dispatch.db import db_now, storable
+from dispatch.core import conf
+from dispatch.core.db import db_now, storable
+from dispatch.core.states import Status
 from dispatch.models.ops import (
     Alert,
     AlertKind,
@@ -64,7 +65,6 @@ from dispatch.models.ops import (
 )
 from dispatch.ops import binding_metrics
 from dispatch.ops.retention import begin_pass
-from dispatch.states import Status
 
 log = logging.getLogger("dispatch.alerts")
 

@@ -29,8 +29,8 @@ from typing import Any
 from django.db import connection, transaction
 from django.db.models.functions import Now
 
-from dispatch import conf
-from dispatch.sqlfiles import ops_query
+from dispatch.core import conf
+from dispatch.core.sqlfiles import ops_query
 from dispatch.worker.stats import DURATION_BUCKETS, Histogram
 
 KEY = "metrics"

@@ -17,7 +17,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
-from dispatch.db import DB_ERRORS
+from dispatch.core.db import DB_ERRORS
 
 
 def _database() -> str | None:

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 from django.db import connection
 
-from dispatch import conf
-from dispatch.db import DB_ERRORS
+from dispatch.core import conf
+from dispatch.core.db import DB_ERRORS
 from dispatch.ops import retention
 from dispatch.worker.log import db_error
 

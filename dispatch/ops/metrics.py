@@ -26,10 +26,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from dispatch import conf
+from dispatch.core import conf
+from dispatch.core.sqlfiles import ops_query
 from dispatch.models.ops import HealthState
 from dispatch.ops import binding_metrics
-from dispatch.sqlfiles import ops_query
 from dispatch.worker.listen import UNHEALTHY_STATES, probe_report
 from dispatch.worker.stats import WorkerSnapshot
 

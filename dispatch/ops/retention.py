@@ -25,9 +25,9 @@ from typing import Any
 from django.apps import apps
 from django.db import connection, transaction
 
-from dispatch import conf
-from dispatch.sqlfiles import ops_query
-from dispatch.states import TERMINAL_RUN_STATUSES
+from dispatch.core import conf
+from dispatch.core.sqlfiles import ops_query
+from dispatch.core.states import TERMINAL_RUN_STATUSES
 
 log = logging.getLogger("dispatch.retention")
 

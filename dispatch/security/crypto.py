@@ -15,7 +15,7 @@ from typing import Any
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 
-from dispatch import conf
+from dispatch.core import conf
 
 ENVELOPE_VERSION = 1
 

@@ -26,7 +26,7 @@ import re
 import stat
 from dataclasses import dataclass
 
-from dispatch import conf
+from dispatch.core import conf
 from dispatch.security import limits, paths
 
 SCHEMES = ("env", "file")

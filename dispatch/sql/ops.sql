@@ -1,5 +1,5 @@
 -- Named statements of the operations side: retention, maintenance state, health scan,
--- alert outbox and the metrics' gauges. Fetched with dispatch.sqlfiles.ops_query(NAME).
+-- alert outbox and the metrics' gauges. Fetched with dispatch.core.sqlfiles.ops_query(NAME).
 -- None of them runs in the claim path; every one that locks takes SKIP LOCKED, so it
 -- never waits for a claim, a settlement or an operator, and they never wait for it.
 

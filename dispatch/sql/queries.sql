@@ -1,5 +1,5 @@
 -- Named statements that do not need a function of their own. Each is fetched by name
--- with dispatch.sqlfiles.query(); parameters are %(name)s placeholders.
+-- with dispatch.core.sqlfiles.query(); parameters are %(name)s placeholders.
 
 -- name: claim
 -- The claim, in one round trip (see dispatch_claim_v5).

@@ -8,7 +8,7 @@ from django import template
 from django.utils.safestring import SafeString
 
 from dispatch.console import badges
-from dispatch.progress import Progress
+from dispatch.core.progress import Progress
 
 register = template.Library()
 

@@ -22,8 +22,8 @@ from django.utils.module_loading import import_string
 from psycopg import sql
 
 from dispatch.connectors import postgresql
+from dispatch.core.states import TERMINAL_RUN_STATUSES, BlockedReason, Origin, Reason, Status
 from dispatch.models.ops import HealthState
-from dispatch.states import TERMINAL_RUN_STATUSES, BlockedReason, Origin, Reason, Status
 from dispatch.verify import incremental as invariants_incremental
 from dispatch.verify import receipts as invariants_receipts
 from dispatch.verify import sinks as sink_access

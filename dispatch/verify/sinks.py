@@ -14,7 +14,7 @@ from django.core.exceptions import ObjectDoesNotExist, ValidationError
 
 from dispatch.connectors import postgresql
 from dispatch.connectors.base import ConnectorError
-from dispatch.db import DB_ERRORS, one_line
+from dispatch.core.db import DB_ERRORS, one_line
 from dispatch.models import Datasource
 from dispatch.security.crypto import SnapshotUnreadable
 

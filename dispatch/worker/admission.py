@@ -8,7 +8,7 @@ import time
 import uuid
 
 from dispatch import services, signals
-from dispatch.states import Reason
+from dispatch.core.states import Reason
 from dispatch.worker import claims, listen
 from dispatch.worker.base import STALE_HEARTBEATS, CoordinatorBase, Execution, TickReport
 from dispatch.worker.claims import ClaimedAttempt

@@ -17,8 +17,8 @@ from typing import Any
 import psycopg
 from django.db import connection
 
-from dispatch import conf
-from dispatch.db import DB_ERRORS
+from dispatch.core import conf
+from dispatch.core.db import DB_ERRORS
 from dispatch.worker import claims, listen
 from dispatch.worker.claims import ClaimedAttempt
 from dispatch.worker.listen import ListenOpening

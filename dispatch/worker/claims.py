@@ -16,9 +16,10 @@ from typing import Any, ParamSpec, TypeVar
 
 from django.db import DatabaseError, connection, transaction
 
-from dispatch import deadline, signals
-from dispatch.db import storable
-from dispatch.sqlfiles import query
+from dispatch import signals
+from dispatch.core import deadline
+from dispatch.core.db import storable
+from dispatch.core.sqlfiles import query
 from dispatch.worker.log import db_error
 
 log = logging.getLogger("dispatch.worker")
@@ -82,7 +83,7 @@ class Recovered:
 
 
 def _bounded(fn: Callable[P, R]) -> Callable[P, R]:
-    """Run a coordination call under the calling thread's deadline (dispatch.deadline):
+    """Run a coordination call under the calling thread's deadline (dispatch.core.deadline):
     a database that stops answering cannot hold the thread longer than that."""
 
     @functools.wraps(fn)

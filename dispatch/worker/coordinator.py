@@ -37,10 +37,11 @@ import psycopg
 from django.db import ProgrammingError as DjangoProgrammingError
 from django.db import connection
 
-from dispatch import conf, deadline, services, signals
-from dispatch.db import DB_ERRORS, loggable
-from dispatch.sqlfiles import query
-from dispatch.states import Reason, Status
+from dispatch import services, signals
+from dispatch.core import conf, deadline
+from dispatch.core.db import DB_ERRORS, loggable
+from dispatch.core.sqlfiles import query
+from dispatch.core.states import Reason, Status
 from dispatch.worker import claims, listen
 from dispatch.worker.admission import Admission, SlotRefill
 from dispatch.worker.base import RECONNECT_MAX_SECONDS, Execution, TickReport

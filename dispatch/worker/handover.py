@@ -11,7 +11,7 @@ import uuid
 import psycopg
 from psycopg import sql
 
-from dispatch import conf, deadline
+from dispatch.core import conf, deadline
 from dispatch.worker import listen
 from dispatch.worker.base import RECONNECT_MAX_SECONDS, CoordinatorBase
 from dispatch.worker.listen import ListenOpening

@@ -7,8 +7,8 @@ import logging
 import time
 import uuid
 
-from dispatch import deadline
-from dispatch.db import DB_ERRORS
+from dispatch.core import deadline
+from dispatch.core.db import DB_ERRORS
 from dispatch.worker import claims
 from dispatch.worker.base import STALE_HEARTBEATS, CoordinatorBase, Execution
 from dispatch.worker.log import db_error

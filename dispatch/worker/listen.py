@@ -27,8 +27,8 @@ from typing import Any
 import psycopg
 from django.db import connection
 
-from dispatch import conf, deadline
-from dispatch.sqlfiles import query
+from dispatch.core import conf, deadline
+from dispatch.core.sqlfiles import query
 
 log = logging.getLogger("dispatch.worker")
 

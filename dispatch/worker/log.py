@@ -11,8 +11,8 @@ from typing import Any
 
 from django.db import connection
 
-from dispatch import conf
-from dispatch.db import connection_error
+from dispatch.core import conf
+from dispatch.core.db import connection_error
 
 LOGGERS = ("dispatch", "scheduling")
 FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -70,7 +70,7 @@ def _connection_params() -> list[dict[str, Any]]:
 def db_error(exc: BaseException) -> str:
     """A database error of the worker's own connections (the site's, the LISTEN one) for
     a log line: its class, SQLSTATE and message without the hosts, users, databases and
-    passwords of those connections (`dispatch.db.connection_error`). libpq's connection
+    passwords of those connections (`dispatch.core.db.connection_error`). libpq's connection
     errors name the host and the role, and a connection string it cannot parse is quoted
     in part."""
     identity: list[str] = []

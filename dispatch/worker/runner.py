@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from django.db import Error as DjangoDBError
 from django.db import connection
 
-from dispatch import deadline, services, signals
+from dispatch import services, signals
 from dispatch.connectors import columns as column_spec
 from dispatch.connectors import incremental, registry
 from dispatch.connectors.base import (
@@ -35,9 +35,10 @@ from dispatch.connectors.base import (
     copy_format,
     spec_errors,
 )
-from dispatch.db import DB_ERRORS, one_line, storable
+from dispatch.core import deadline
+from dispatch.core.db import DB_ERRORS, one_line, storable
+from dispatch.core.states import Reason, Status
 from dispatch.security import crypto, targets
-from dispatch.states import Reason, Status
 from dispatch.worker import claims
 from dispatch.worker.claims import ClaimedAttempt
 from dispatch.worker.log import db_error, where
@@ -185,7 +186,7 @@ class AttemptFence:
         if not self._control.lease_may_be_ours():
             raise LeaseLost("no successful heartbeat within the lease")
         # The caller holds the sink's fence row (and the sink's locks) while it asks: the
-        # question is bounded like every coordination call (dispatch.deadline), and an
+        # question is bounded like every coordination call (dispatch.core.deadline), and an
         # answer that does not come is a lease that cannot be confirmed, so no commit.
         try:
             with deadline.bounded("fence_check"), connection.cursor() as cursor:

@@ -7,8 +7,8 @@ import textwrap
 import pytest
 
 from dispatch import ascode, services
+from dispatch.core.states import Status
 from dispatch.models import MANAGED_BY_FILES, Attempt, Datasource, JobBinding, Run
-from dispatch.states import Status
 from scheduling.models import Schedule
 from tests.support.ascode import apply_text, plan_text
 from tests.support.factories import BindingFactory

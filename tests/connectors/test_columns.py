@@ -485,7 +485,7 @@ def test_hash__the_runner_reads_the_bindings_key_and_never_shows_it(
     import hashlib
     import hmac
 
-    from dispatch.states import Reason, Status
+    from dispatch.core.states import Reason, Status
 
     src_db.execute("CREATE TABLE people (id integer PRIMARY KEY, email text)")
     src_db.execute("INSERT INTO people VALUES (1, 'ann@example.org'), (2, NULL)")

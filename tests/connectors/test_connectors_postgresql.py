@@ -15,8 +15,8 @@ from dispatch.connectors.builtin import GenerateConnector
 from dispatch.connectors.csv import CSVConnector
 from dispatch.connectors.postgresql import PostgreSQLConnector as PG
 from dispatch.connectors.postgresql import parse_table
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, Datasource
-from dispatch.states import Reason, Status
 from tests.support import factories
 from tests.support.connectors import (
     Ctx,

@@ -17,8 +17,8 @@ from django.test import Client
 from django.urls import reverse
 
 from dispatch import api
+from dispatch.core.states import Status
 from dispatch.models import Attempt, Datasource, Run
-from dispatch.states import Status
 from tests.support import factories
 from tests.support.connectors import ScratchDB, connect, scratch_db
 from tests.support.processes import Processes, wait_until

@@ -25,8 +25,8 @@ from dispatch.connectors.base import (
     check_unknown,
     require_object,
 )
+from dispatch.core.states import BlockedReason, Origin, Reason, Status
 from dispatch.models import Attempt, Datasource, Job, JobBinding, Run
-from dispatch.states import BlockedReason, Origin, Reason, Status
 from dispatch.worker import claims
 from tests.support.factories import BindingFactory, DatasourceFactory, trigger
 from tests.support.helpers import claim_one

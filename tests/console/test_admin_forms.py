@@ -10,7 +10,7 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
-from dispatch.conf import SSLMODES
+from dispatch.core.conf import SSLMODES
 from dispatch.models import Datasource
 from tests.console.test_admin import PASSWORD, TOKEN, vault, vault_kind  # noqa: F401 - fixture
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dispatch.console import badges
+from dispatch.core.states import TERMINAL_RUN_STATUSES, BlockedReason, Origin, Reason, Status
 from dispatch.services import ActionRefused, Outcome
-from dispatch.states import TERMINAL_RUN_STATUSES, BlockedReason, Origin, Reason, Status
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ from django.db.models.functions import Now
 from django.test import Client
 from django.urls import NoReverseMatch, reverse
 
+from dispatch.core.states import Origin, Reason, Status
 from dispatch.models import Attempt, Job, JobBinding, Run, Worker
-from dispatch.states import Origin, Reason, Status
 from dispatch.worker import claims
 from tests.console.test_admin import PASSWORD, TOKEN, vault, vault_kind  # noqa: F401 - fixture
 from tests.support.factories import BindingFactory, trigger

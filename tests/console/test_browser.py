@@ -20,8 +20,8 @@ from django.contrib.auth.models import User
 from django.db.models import F
 
 from dispatch import services
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, Datasource, Job, JobBinding, Run
-from dispatch.states import Reason, Status
 from dispatch.worker import claims
 from tests.console.test_admin import PASSWORD, vault_kind  # noqa: F401 - fixture
 from tests.support.factories import DatasourceFactory, SinkFactory

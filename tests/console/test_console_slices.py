@@ -18,8 +18,8 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from dispatch import services
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, Run
-from dispatch.states import Reason, Status
 from dispatch.worker import claims
 from tests.support import factories
 

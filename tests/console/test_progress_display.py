@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 from dispatch.api import RunResult
 from dispatch.console.badges import progress_bar
+from dispatch.core.progress import Progress, describe
 from dispatch.management.progress import WaitDisplay, summary_lines
-from dispatch.progress import Progress, describe
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -13,8 +13,8 @@ from django.test import override_settings
 from openapi_spec_validator import validate
 
 from dispatch import services
+from dispatch.core.states import Status
 from dispatch.models import BindingCursor, BindingHealth, Run
-from dispatch.states import Status
 from tests.http.conftest import ALL, call, make_token, make_user
 from tests.http.test_auth import assert_problem
 from tests.support.factories import BindingFactory, DatasourceFactory, JobFactory

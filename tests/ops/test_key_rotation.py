@@ -9,9 +9,9 @@ import signal
 import pytest
 from cryptography.fernet import Fernet, InvalidToken
 
-from dispatch import conf
+from dispatch.core import conf
+from dispatch.core.states import Status
 from dispatch.models import Attempt, Datasource, Run
-from dispatch.states import Status
 from tests.support.factories import BindingFactory, JobFactory, trigger
 from tests.support.processes import Processes, wait_until, worker_env
 

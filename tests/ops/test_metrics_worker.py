@@ -11,8 +11,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dispatch.core.states import Status
 from dispatch.models import Run
-from dispatch.states import Status
 from tests.ops.test_metrics import samples
 from tests.support.factories import BindingFactory, trigger
 from tests.support.processes import Processes, wait_until

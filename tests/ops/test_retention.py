@@ -15,10 +15,10 @@ from django.db.models import DurationField, Value
 from django.db.models.functions import Now
 from django.test import override_settings
 
-from dispatch import sqlfiles
+from dispatch.core import sqlfiles
+from dispatch.core.states import Status
 from dispatch.models import Attempt, Run, Worker
 from dispatch.ops import retention
-from dispatch.states import Status
 from dispatch.worker import claims
 from scheduling.models import db_now
 from tests.support.factories import BindingFactory, trigger

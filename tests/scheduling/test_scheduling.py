@@ -24,9 +24,9 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from psycopg import sql
 
-from dispatch import sqlfiles as dispatch_sqlfiles
+from dispatch.core import sqlfiles as dispatch_sqlfiles
+from dispatch.core.states import Status, Trigger
 from dispatch.models import Job, JobBinding, Run
-from dispatch.states import Status, Trigger
 from dispatch.worker import claims
 from scheduling import admin as sched_admin
 from scheduling import conf, cron, sqlfiles, wakeup

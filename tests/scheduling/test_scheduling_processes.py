@@ -20,8 +20,8 @@ from django.db.models.functions import Now
 from django.test import Client
 from django.urls import reverse
 
+from dispatch.core.states import Status, Trigger
 from dispatch.models import Run
-from dispatch.states import Status, Trigger
 from scheduling import conf, wakeup
 from scheduling.models import OverlapPolicy, ReconcilerBeat, Schedule, db_now
 from tests.support.factories import BindingFactory

@@ -24,8 +24,8 @@ from psycopg import sql
 
 from dispatch.checks import check_encryption_keys
 from dispatch.connectors import registry
+from dispatch.core.states import Origin, Reason, Status
 from dispatch.models import Attempt, Datasource, Job, JobBinding, Run
-from dispatch.states import Origin, Reason, Status
 from dispatch.worker import claims
 from dispatch.worker.runner import ExecutionControl, Runner
 from tests.support.factories import (

@@ -9,9 +9,9 @@ from django.db import connection
 from django.test import override_settings
 
 from dispatch import checks
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, Datasource
 from dispatch.security import crypto
-from dispatch.states import Reason, Status
 from dispatch.worker import claims
 from dispatch.worker.runner import ExecutionControl, Runner, sanitize
 from tests.support.factories import BindingFactory, DatasourceFactory, trigger

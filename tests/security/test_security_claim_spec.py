@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from dispatch.core.states import Reason, Status
 from dispatch.models import Datasource, Job, JobBinding, Run
-from dispatch.states import Reason, Status
 from tests.support.connectors import ScratchDB, scratch_db
 from tests.support.factories import BindingFactory, trigger
 from tests.support.helpers import attempts_of

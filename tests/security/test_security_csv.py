@@ -15,8 +15,8 @@ from django.test import override_settings
 from dispatch import checks
 from dispatch.connectors.base import PermanentError
 from dispatch.connectors.csv import CSVConnector as CSV
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, Datasource, Run
-from dispatch.states import Reason, Status
 from tests.support import factories
 from tests.support.connectors import Ctx, run_transfer
 from tests.support.processes import Processes, wait_until, worker_env

@@ -24,9 +24,9 @@ from dispatch.connectors.base import PermanentError
 from dispatch.connectors.csv import CSVConnector as CSV
 from dispatch.connectors.postgresql import PostgreSQLConnector as PG
 from dispatch.console.badges import OUTCOME_TEXT
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, BindingCursor, Datasource, JobBinding, Run
 from dispatch.security import limits
-from dispatch.states import Reason, Status
 from dispatch.worker.runner import ExecutionControl, Runner
 from tests.support import factories
 from tests.support.connectors import Ctx, Fence, ScratchDB, connect, run_transfer, scratch_db

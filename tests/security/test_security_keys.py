@@ -11,8 +11,8 @@ from cryptography.fernet import Fernet
 from django.test import override_settings
 
 from dispatch import checks
+from dispatch.core.states import Origin, Reason, Status
 from dispatch.models import Attempt, Worker
-from dispatch.states import Origin, Reason, Status
 from tests.support.factories import BindingFactory, DatasourceFactory, trigger
 from tests.support.processes import ROOT, Processes, wait_until, worker_env
 

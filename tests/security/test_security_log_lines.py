@@ -1,5 +1,5 @@
 """What a worker's log line quotes of an error can neither forge a line nor give away a
-connection's identity: a connector's error text is escaped (`dispatch.db.one_line`), and
+connection's identity: a connector's error text is escaped (`dispatch.core.db.one_line`), and
 a database error is logged as its class, SQLSTATE and message without the hosts, users,
 databases and passwords of the worker's connections (`dispatch.worker.log.db_error`)
 (docs/security.md, "Log lines")."""
@@ -15,7 +15,7 @@ import pytest
 
 from dispatch.connectors.base import FenceRejected, LeaseLost
 from dispatch.connectors.builtin import GenerateConnector
-from dispatch.db import one_line
+from dispatch.core.db import one_line
 from dispatch.worker import listen
 from dispatch.worker.log import db_error
 from dispatch.worker.runner import ExecutionControl, Runner

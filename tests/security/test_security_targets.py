@@ -14,7 +14,7 @@ from django.test import override_settings
 from dispatch.connectors.base import PermanentError
 from dispatch.connectors.postgresql import PostgreSQLConnector as PG
 from dispatch.connectors.postgresql import connect
-from dispatch.states import Reason, Status
+from dispatch.core.states import Reason, Status
 from dispatch.worker import claims
 from dispatch.worker.runner import ExecutionControl, Runner
 from tests.support.factories import BindingFactory, DatasourceFactory, trigger

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dispatch.states import Reason, Status
+from dispatch.core.states import Reason, Status
 from dispatch.worker import claims
 from dispatch.worker.runner import ExecutionControl, Runner
 from project.embedded_pg import EmbeddedPostgres

@@ -1,4 +1,4 @@
-"""Error texts are made storable before they are written (dispatch.db.storable): a NUL
+"""Error texts are made storable before they are written (dispatch.core.db.storable): a NUL
 that a source put into an error used to make PostgreSQL refuse the settlement, and the
 attempt held its slot until its lease ran out (LEASE_EXPIRED, the real error lost)."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from django.test import override_settings
 
-from dispatch.db import storable
+from dispatch.core.db import storable
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, Datasource, Run
 from dispatch.models.ops import Alert, AlertStatus
 from dispatch.ops import alerts
-from dispatch.states import Reason, Status
 from dispatch.worker import claims
 from tests.support import factories
 from tests.support.connectors import ScratchDB, scratch_db

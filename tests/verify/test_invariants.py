@@ -16,10 +16,10 @@ from django.core.management.base import CommandError
 from django.db import connection
 from django.test import override_settings
 
+from dispatch.core.states import BlockedReason, Origin, Reason, Status
 from dispatch.models import Attempt, JobBinding, Run
 from dispatch.models.ops import BindingHealth, HealthState
 from dispatch.ops import alerts
-from dispatch.states import BlockedReason, Origin, Reason, Status
 from dispatch.verify import invariants
 from dispatch.verify.invariants import Scope
 from dispatch.worker import claims

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from dispatch import services
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, JobBinding, Run, Slice, SlicePlan
-from dispatch.states import Reason, Status
 from dispatch.verify import invariants
 from dispatch.verify.invariants import Scope
 from dispatch.worker import claims

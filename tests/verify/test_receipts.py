@@ -19,8 +19,8 @@ from psycopg import sql
 from dispatch.connectors import receipt
 from dispatch.connectors.csv import CSVConnector as CSV
 from dispatch.connectors.postgresql import PostgreSQLConnector as PG
+from dispatch.core.states import Status
 from dispatch.models import Attempt, Run
-from dispatch.states import Status
 from dispatch.verify import invariants
 from dispatch.verify.invariants import Scope
 from dispatch.worker import claims

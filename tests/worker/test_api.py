@@ -11,9 +11,9 @@ import pytest
 from django.db import connections
 
 from dispatch import api
+from dispatch.core.states import Origin, Reason, Status, Trigger
 from dispatch.models import Attempt, Run
 from dispatch.services import Outcome
-from dispatch.states import Origin, Reason, Status, Trigger
 from dispatch.worker.runner import ExecutionControl, Runner
 from tests.support.factories import BindingFactory, JobFactory
 from tests.support.helpers import claim_one

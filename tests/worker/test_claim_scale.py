@@ -17,7 +17,7 @@ import pytest
 from django.db import connection
 from django.db.models.functions import Now
 
-from dispatch.sqlfiles import query
+from dispatch.core.sqlfiles import query
 from dispatch.worker import claims
 from tests.support.factories import BindingFactory
 

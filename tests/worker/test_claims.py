@@ -10,9 +10,9 @@ import uuid
 import pytest
 from django.db import connection
 
+from dispatch.core.states import BlockedReason, Status
 from dispatch.models import Attempt, Datasource, JobBinding, Run
 from dispatch.security import crypto
-from dispatch.states import BlockedReason, Status
 from dispatch.worker import claims
 from tests.support.factories import BindingFactory, DatasourceFactory, SinkFactory, trigger
 from tests.support.helpers import attempts_of, claim_one, in_threads, raw_connection

@@ -11,9 +11,9 @@ import sys
 import pytest
 from django.core.management import CommandError, call_command
 
-from dispatch import commands
+from dispatch.core import commands
+from dispatch.core.states import Status, Trigger
 from dispatch.models import Run
-from dispatch.states import Status, Trigger
 from tests.support.factories import BindingFactory
 from tests.support.processes import ROOT, worker_env
 

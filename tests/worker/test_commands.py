@@ -8,8 +8,8 @@ import uuid
 import pytest
 from django.core.management import CommandError, call_command
 
+from dispatch.core.states import Status
 from dispatch.models import Run
-from dispatch.states import Status
 from tests.support.factories import BindingFactory, trigger
 
 pytestmark = pytest.mark.django_db(transaction=True)

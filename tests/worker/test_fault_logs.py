@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from dispatch.connectors.postgresql import PostgreSQLConnector
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt
-from dispatch.states import Reason, Status
 from dispatch.worker.runner import ExecutionControl, Runner, StopCause
 from tests.support.factories import BindingFactory, DatasourceFactory, JobFactory, trigger
 from tests.support.helpers import claim_one

@@ -13,8 +13,8 @@ import pytest
 from dispatch.connectors.base import FenceRejected
 from dispatch.connectors.builtin import GenerateConnector
 from dispatch.connectors.postgresql import PostgreSQLConnector as PG
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, Datasource
-from dispatch.states import Reason, Status
 from tests.support import factories
 from tests.support.connectors import (
     Ctx,

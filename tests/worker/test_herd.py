@@ -18,8 +18,8 @@ import pytest
 from django.db import connection
 from django.db.models import Max, Min
 
+from dispatch.core.states import Status
 from dispatch.models import Attempt, Run, Worker
-from dispatch.states import Status
 from dispatch.worker.coordinator import WorkerDispatchCoordinator
 from tests.support.factories import BindingFactory, trigger
 from tests.support.processes import Processes, wait_until, worker_env

@@ -212,8 +212,8 @@ def test_listen_probe__claims_go_on_while_a_listen_reconnect_hangs(
     its own, so its polling claims the work meanwhile. Ordered by the log, not by a
     clock: the run is done before the hanging reconnect has even failed. (On the main
     thread, the reconnect held every claim until it failed.)"""
+    from dispatch.core.states import Status
     from dispatch.models import Run
-    from dispatch.states import Status
     from tests.support.factories import BindingFactory, trigger
 
     s = connection.settings_dict

@@ -13,8 +13,8 @@ from typing import Any
 import psycopg
 import pytest
 
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, Datasource, Run
-from dispatch.states import Reason, Status
 from tests.connectors.test_incremental_crash import (
     _holder,
     _kill_while_held,

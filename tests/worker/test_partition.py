@@ -1,7 +1,7 @@
 """A worker behind a silent partition: its coordination connections (working and LISTEN)
 go through a proxy the test owns, which for a while keeps every socket open and answers
 nothing (tests/blackhole.py). The worker must notice within two leases (client-side
-deadlines, dispatch.deadline), stop the execution whose lease it can no longer confirm,
+deadlines, dispatch.core.deadline), stop the execution whose lease it can no longer confirm,
 leave the run to another worker's recovery, and rejoin after the heal."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 from django.db import connection
 from django.db.models.functions import Now
 
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, Run, Worker
-from dispatch.states import Reason, Status
 from tests.support.factories import BindingFactory, trigger
 from tests.support.helpers import attempts_of
 from tests.support.processes import Processes, wait_until, worker_env

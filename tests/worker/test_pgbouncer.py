@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from django.db import connection
 
+from dispatch.core.states import Status
 from dispatch.models import Attempt, Worker
-from dispatch.states import Status
 from dispatch.worker.listen import probe_report
 from tests.support.factories import BindingFactory, trigger
 from tests.support.processes import Processes, test_database_url, wait_until

@@ -6,8 +6,8 @@ import pytest
 from django.db.models import F
 
 from dispatch import services
+from dispatch.core.states import Origin, Reason, Status
 from dispatch.models import Attempt, Job, Run
-from dispatch.states import Origin, Reason, Status
 from dispatch.worker import claims
 from tests.support.factories import BindingFactory, trigger
 from tests.support.helpers import attempts_of, claim_one, expire, in_threads

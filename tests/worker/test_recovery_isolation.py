@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from django.db import connection
 
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, Job, Run
-from dispatch.states import Reason, Status
 from dispatch.worker import claims
 from tests.support.factories import BindingFactory, trigger
 from tests.support.helpers import attempts_of, claim_one, expire

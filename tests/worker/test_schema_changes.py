@@ -15,8 +15,8 @@ from typing import Any
 import psycopg
 import pytest
 
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, Datasource, Run
-from dispatch.states import Reason, Status
 from tests.support import factories
 from tests.support.connectors import ScratchDB, connect, scratch_db
 from tests.support.processes import Processes, wait_until

@@ -12,9 +12,9 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from dispatch import services
+from dispatch.core.states import BlockedReason, Origin, Reason, Status, Trigger
 from dispatch.models import Attempt, Run
 from dispatch.services import ActionRefused, Outcome
-from dispatch.states import BlockedReason, Origin, Reason, Status, Trigger
 from dispatch.worker import claims
 from tests.support.factories import BindingFactory, trigger
 from tests.support.helpers import attempts_of, claim_one, in_threads, raw_connection

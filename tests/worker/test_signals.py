@@ -19,8 +19,8 @@ import pytest
 from django.db import connections, transaction
 
 from dispatch import api, services, signals
+from dispatch.core.states import Status
 from dispatch.models import Attempt, Run
-from dispatch.states import Status
 from dispatch.worker import claims
 from dispatch.worker.coordinator import WorkerDispatchCoordinator
 from tests.support.factories import BindingFactory, JobFactory

@@ -15,9 +15,9 @@ import pytest
 from django.db import connection
 
 from dispatch import services
+from dispatch.core.sqlfiles import query
+from dispatch.core.states import Origin, Reason, Status
 from dispatch.models import Attempt, JobBinding, Run, Slice, SlicePlan
-from dispatch.sqlfiles import query
-from dispatch.states import Origin, Reason, Status
 from dispatch.worker import claims
 from tests.support import factories
 from tests.support.helpers import expire, in_threads, raw_connection

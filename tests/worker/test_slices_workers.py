@@ -24,8 +24,8 @@ import pytest
 
 from dispatch import services
 from dispatch.connectors.postgresql.writer import staging_name
+from dispatch.core.states import Origin, Reason, Status
 from dispatch.models import Attempt, Datasource, JobBinding, Run, SlicePlan
-from dispatch.states import Origin, Reason, Status
 from tests.support import factories
 from tests.support.connectors import ScratchDB, connect, scratch_db
 from tests.support.processes import Processes, wait_until

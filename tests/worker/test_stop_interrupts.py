@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from dispatch import services
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, Datasource, Run
-from dispatch.states import Reason, Status
 from dispatch.worker.runner import ExecutionControl, StopCause
 from tests.support import factories
 from tests.support.connectors import ScratchDB, connect, scratch_db

@@ -10,8 +10,8 @@ import re
 import pytest
 from django.core.management import CommandError, call_command
 
+from dispatch.core.states import Reason, Status
 from dispatch.models import Attempt, Datasource
-from dispatch.states import Reason, Status
 from tests.support.factories import BindingFactory, JobFactory
 from tests.support.processes import Processes, wait_until, worker_env
 

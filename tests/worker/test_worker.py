@@ -11,8 +11,8 @@ import pytest
 from django.test import override_settings
 
 from dispatch import services
+from dispatch.core.states import BlockedReason, Origin, Reason, Status
 from dispatch.models import Attempt, JobBinding, Run, Worker
-from dispatch.states import BlockedReason, Origin, Reason, Status
 from tests.support.factories import BindingFactory, trigger
 from tests.support.helpers import attempts_of
 from tests.support.processes import Processes, test_database_url, wait_until, worker_env

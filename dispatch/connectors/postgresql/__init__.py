@@ -17,7 +17,6 @@ from django.core.exceptions import ValidationError
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from dispatch.conf import SSLMODES
 from dispatch.connectors import columns, incremental
 from dispatch.connectors.base import (
     Column,
@@ -48,6 +47,7 @@ from dispatch.connectors.postgresql.connect import (
 )
 from dispatch.connectors.postgresql.reader import _Reader, _strip_query
 from dispatch.connectors.postgresql.writer import KEYED_MODES, SINK_KEY_SQL, SINK_MODES, _Writer
+from dispatch.core.conf import SSLMODES
 
 __all__ = [
     "PostgreSQLConnector",

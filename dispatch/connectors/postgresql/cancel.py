@@ -14,9 +14,9 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
-from dispatch import conf, deadline
 from dispatch.connectors.base import Stopped, TransferContext
 from dispatch.connectors.postgresql.connect import _conninfo
+from dispatch.core import conf, deadline
 
 # How long a cancel request may take to reach the server (it runs on the worker's
 # heartbeat thread, which must not hang on an unreachable host).

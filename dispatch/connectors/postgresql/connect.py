@@ -15,7 +15,6 @@ from django.core.exceptions import ValidationError
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from dispatch import deadline
 from dispatch.connectors import sqlsafety
 from dispatch.connectors.base import (
     ConnectorError,
@@ -23,6 +22,7 @@ from dispatch.connectors.base import (
     TransientError,
     int_field,
 )
+from dispatch.core import deadline
 from dispatch.security import limits, targets
 
 CONNECT_TIMEOUT_SECONDS = 10

@@ -2,7 +2,7 @@
 
 Each subcommand is an existing management command (`dispatch worker` is `runworker`,
 `dispatch schedules` is scheduling's `reconcile_schedules`; the table is
-`dispatch.commands`), run by its own class: its own arguments, help, system checks and
+`dispatch.core.commands`), run by its own class: its own arguments, help, system checks and
 errors, nothing parsed twice.
 """
 
@@ -19,7 +19,7 @@ from django.core.management.base import (
     DjangoHelpFormatter,
 )
 
-from dispatch import commands
+from dispatch.core import commands
 
 
 class _HelpFormatter(DjangoHelpFormatter, argparse.RawDescriptionHelpFormatter):

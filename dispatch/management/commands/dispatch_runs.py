@@ -5,10 +5,10 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from dispatch.core.states import Status
 from dispatch.http import reads
 from dispatch.http.problems import Problem
 from dispatch.http.schemas import RunDetail, RunOut, run_detail, run_out
-from dispatch.states import Status
 
 # The most runs one `runs list` prints (it reads them MAX_PAGE at a time).
 MAX_LIMIT = 10_000

@@ -8,7 +8,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import OperationalError
 
-from dispatch import checks, conf, deadline, hooks
+from dispatch import checks
+from dispatch.core import conf, deadline, hooks
 from dispatch.ops import maintenance, metrics
 from dispatch.worker.coordinator import WorkerDispatchCoordinator
 from dispatch.worker.log import ensure_worker_logging

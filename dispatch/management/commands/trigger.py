@@ -7,11 +7,12 @@ from typing import Any, TextIO
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from dispatch import api, conf, services
+from dispatch import api, services
+from dispatch.core import conf
+from dispatch.core.states import Status, Trigger
 from dispatch.management.commands._common import binding_from_arg
 from dispatch.management.progress import WaitDisplay, summary_lines
 from dispatch.models import Worker
-from dispatch.states import Status, Trigger
 
 
 class Command(BaseCommand):

@@ -9,7 +9,7 @@ dispatch's; the system check `dispatch.W003` names the app that wins otherwise.
 
 from __future__ import annotations
 
-from dispatch import hooks
+from dispatch.core import hooks
 
 # Subcommand -> dispatch's management command it runs.
 BUILTIN: dict[str, str] = {

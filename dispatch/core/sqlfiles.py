@@ -17,7 +17,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-SQL_DIR = Path(__file__).resolve().parent / "sql"
+SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
 FUNCTIONS_DIR = SQL_DIR / "functions"
 MIGRATIONS_DIR = SQL_DIR / "migrations"
 _NAME = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)

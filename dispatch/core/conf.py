@@ -46,7 +46,7 @@ def recovery_interval() -> float:
 def coordination_timeout() -> float:
     """The longest a worker waits for the database to answer one coordination call
     (claim, settlement, heartbeat, recovery, refresh, timer): past it, the connection is
-    dropped and made again with backoff (dispatch.deadline). A heartbeat waits at most a
+    dropped and made again with backoff (dispatch.core.deadline). A heartbeat waits at most a
     third of the shortest lease it extends, whichever is less. Also the worker's
     `connect_timeout` cap and its sessions' `statement_timeout` (0: no deadline)."""
     return float(getattr(settings, "DISPATCH_COORDINATION_TIMEOUT", 10.0))
