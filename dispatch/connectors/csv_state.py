@@ -31,24 +31,18 @@ or set of a binding's cursor replaces it (`set_cursor`).
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
-import tempfile
-import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+from dispatch.connectors import files
 from dispatch.connectors.base import PermanentError, TransientError
 from dispatch.connectors.incremental import CommittedCursor
 from dispatch.security import limits
 
 FORMAT = 1
-# How long a commit waits for another writer of the same file to finish its own.
-LOCK_WAIT_SECONDS = 10.0
 
 
 def state_path(path: str) -> str:
@@ -59,19 +53,6 @@ def state_path(path: str) -> str:
 def lock_path(path: str) -> str:
     directory, name = os.path.split(path)
     return os.path.join(directory, f".{name}.dispatch-lock")
-
-
-def _open_no_follow(path: str, flags: int, what: str) -> int:
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW, 0o644)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise PermanentError(f"{what} is a symlink; it is not followed") from None
-        raise PermanentError(f"cannot open {what}: {exc.strerror}") from None
-    if os.fstat(fd).st_nlink > 1:
-        os.close(fd)
-        raise PermanentError(f"{what} has more than one hard link; it is not used")
-    return fd
 
 
 class StateUnreadable(PermanentError):
@@ -88,7 +69,7 @@ def read(path: str, name: str) -> dict[str, Any]:
     path, for messages. Raises StateUnreadable for a state that cannot be used."""
     what = f"the state file of {name!r}"
     try:
-        fd = _open_no_follow(state_path(path), os.O_RDONLY, what)
+        fd = files.open_no_follow(state_path(path), os.O_RDONLY, what)
     except PermanentError:
         if not os.path.lexists(state_path(path)):
             return {}
@@ -193,47 +174,16 @@ def _fits(state: dict[str, Any], name: str) -> None:
 
 
 def _write(path: str, state: dict[str, Any]) -> None:
-    """Replace the state file atomically (write, fsync, rename, fsync the directory)."""
+    """Replace the state file atomically."""
     _fits(state, os.path.basename(path))
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".st")
-    try:
-        with open(fd, "wb") as handle:
-            handle.write(_encoded(state))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, state_path(path))
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    files.replace_atomically(
+        state_path(path), _encoded(state), prefix=f".{os.path.basename(path)}.", suffix=".st"
+    )
 
 
-@contextlib.contextmanager
-def locked(path: str, name: str) -> Iterator[None]:
-    """The file's commit lock (bounded wait: a writer that holds it for longer is another
-    attempt's commit, and this one is retried)."""
-    fd = _open_no_follow(lock_path(path), os.O_RDWR | os.O_CREAT, f"the lock file of {name!r}")
-    try:
-        waited_until = time.monotonic() + LOCK_WAIT_SECONDS
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= waited_until:
-                    raise TransientError(
-                        f"another commit to {name!r} held its lock for {LOCK_WAIT_SECONDS:.0f}s"
-                    ) from None
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+def locked(path: str, name: str) -> contextlib.AbstractContextManager[None]:
+    """The file's commit lock (files.commit_lock: a bounded wait)."""
+    return files.commit_lock(lock_path(path), f"the lock file of {name!r}", name)
 
 
 def _size(path: str) -> int:
@@ -251,7 +201,7 @@ def settle_file(path: str, name: str, state: dict[str, Any]) -> int:
     intent = state.get("intent")
     if isinstance(intent, dict) and committed <= size <= int(intent.get("after", -1)):
         if size > committed:
-            fd = _open_no_follow(path, os.O_WRONLY, repr(name))
+            fd = files.open_no_follow(path, os.O_WRONLY, repr(name))
             try:
                 os.ftruncate(fd, committed)
                 os.fsync(fd)

@@ -34,19 +34,16 @@ ends, the previous generation's files beside it).
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import re
-import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from dispatch.connectors import files
 from dispatch.connectors.base import FenceRejected, PermanentError, TransientError
 from dispatch.connectors.incremental import CommittedCursor
 
@@ -59,7 +56,6 @@ MAX_MANIFEST_BYTES = 32 << 20
 MAX_RUNS = 1000
 # Older manifest generations kept for readers that opened one a moment ago.
 KEEP_GENERATIONS = 5
-LOCK_WAIT_SECONDS = 10.0
 _MANIFEST = re.compile(r"manifest-(\d{10})\.json")
 PART = re.compile(r"part-\d{10}-[0-9a-f]{8}\.parquet")
 
@@ -164,56 +160,19 @@ def read(directory: str, name: str) -> Manifest:
         raise PermanentError(f"the manifest of {name!r} is not a dispatch manifest") from None
 
 
-@contextlib.contextmanager
-def locked(directory: str, name: str) -> Iterator[None]:
+def locked(directory: str, name: str) -> contextlib.AbstractContextManager[None]:
+    """The dataset's commit lock (files.commit_lock: a bounded wait)."""
     os.makedirs(tmp_dir(directory), exist_ok=True)
     path = os.path.join(state_dir(directory), "lock")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as exc:
-        raise PermanentError(f"cannot open the lock of {name!r}: {exc.strerror}") from None
-    try:
-        deadline = time.monotonic() + LOCK_WAIT_SECONDS
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise
-                if time.monotonic() > deadline:
-                    raise TransientError(
-                        f"another commit to {name!r} held its lock for {LOCK_WAIT_SECONDS:.0f}s"
-                    ) from None
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return files.commit_lock(path, f"the lock of {name!r}", name)
 
 
 def _publish(directory: str, manifest: Manifest) -> None:
     """Write `manifest` as its generation's file: the commit point."""
-    sdir = state_dir(directory)
-    fd, tmp = tempfile.mkstemp(dir=sdir, prefix=".manifest-", suffix=".tmp")
-    try:
-        with open(fd, "w", encoding="utf-8") as f:
-            json.dump(manifest.as_json(), f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, manifest_path(directory, manifest.generation))
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(sdir)
+    data = json.dumps(manifest.as_json(), separators=(",", ":")).encode("utf-8")
+    files.replace_atomically(
+        manifest_path(directory, manifest.generation), data, prefix=".manifest-", suffix=".tmp"
+    )
 
 
 def settle(directory: str, manifest: Manifest) -> None:
@@ -230,7 +189,7 @@ def settle(directory: str, manifest: Manifest) -> None:
         if PART.fullmatch(name) and name not in listed:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, name))
-    _fsync_dir(directory)
+    files.fsync_dir(directory)
     for generation in generations(directory)[:-KEEP_GENERATIONS]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(manifest_path(directory, generation))
