@@ -1,8 +1,9 @@
 """A single stream against the raw pipe: PostgreSQL -> PostgreSQL in `append`, `replace`,
 `upsert` and `mirror` modes and CSV -> PostgreSQL through `runworker`, each side by side with `psql`
 doing the same work; the fixed cost of a run; the worker's peak RSS as the rows grow;
-(case `parquet`) PostgreSQL -> Parquet beside `psql` COPY + pyarrow; and (case `mariadb`,
-bench/copy_mysql.py) MariaDB -> PostgreSQL beside `mariadb | psql`.
+(case `parquet`) PostgreSQL -> Parquet beside `psql` COPY + pyarrow; and (bench/copy_mysql.py)
+MariaDB -> PostgreSQL beside `mariadb | psql` (case `mariadb`) and PostgreSQL -> MariaDB
+beside `psql | mariadb` (case `to-mariadb`).
 
     python -m bench copy [--rows 1000000] [--small 10000] [--rows-big N] [--rounds 3]
                          [--fixed-runs 30] [--prefix dispatch_bench_copy] [--quick] [--no-doc]
@@ -46,11 +47,14 @@ COLUMNS = (
     "id bigint, customer text, amount numeric(12,2), created_at timestamptz, attrs jsonb,"
     " active boolean"
 )
-CASES = ("append", "replace", "truncate", "upsert", "mirror", "csv", "parquet", "mariadb")
+CASES = (
+    "append", "replace", "truncate", "upsert", "mirror", "csv", "parquet", "mariadb", "to-mariadb"
+)  # fmt: skip
 # The cases whose sink is keyed on id.
 KEYED = ("upsert", "mirror")
-# The cases of a PostgreSQL or CSV source; `mariadb` is bench/copy_mysql.py's section.
-PG_CASES = CASES[:-1]
+# The cases of a PostgreSQL or CSV source into PostgreSQL or Parquet; `mariadb` and
+# `to-mariadb` are bench/copy_mysql.py's sections.
+PG_CASES = CASES[:-2]
 # Set from --prefix in main(): the benchmark's three databases.
 APP_DB = SRC_DB = DST_DB = ""
 
@@ -499,8 +503,15 @@ def main(argv: list[str]) -> int:
                            mid=min(100_000, args.rows), rounds=args.rounds,
                            argv=["copy", *argv], doc=not args.no_doc)  # fmt: skip
         cases.remove("mariadb")
-        if not cases:
-            return 0
+    if "to-mariadb" in cases:
+        from bench import copy_mysql
+
+        copy_mysql.sink_section(args.server, rows=args.rows, small=args.small,
+                                mid=min(100_000, args.rows), rounds=args.rounds,
+                                argv=["copy", *argv], doc=not args.no_doc)  # fmt: skip
+        cases.remove("to-mariadb")
+    if not cases:
+        return 0
     report = common.Report(
         f"Single stream against the raw pipe ({args.rows:,} rows)", ["copy", *argv], args.server
     )

@@ -248,6 +248,12 @@ class Connector:
     # --- validation (messages name the field) ---------------------------------------
     @classmethod
     def validate_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        return cls.check_declared_fields(config)
+
+    @classmethod
+    def check_declared_fields(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The checks of `config_fields` (unknown fields, required ones, kinds, choices),
+        every error under its field; a config that is not an object fails as `config`."""
         if not isinstance(config, dict):
             raise ValidationError({"config": "must be a JSON object"})
         known = {f.name: f for f in cls.config_fields}
@@ -313,6 +319,39 @@ def spec_errors(connector: type[Connector], role: str, spec: Any) -> list[str]:
     except ValidationError as exc:
         return [f"{role}_spec: {m}" for m in exc.messages]
     return []
+
+
+def server_config(
+    connector: type[Connector],
+    config: dict[str, Any],
+    *,
+    own: Callable[[dict[str, Any], dict[str, list[str]]], None] | None = None,
+    policy: Callable[[dict[str, Any]], list[str]],
+    policy_field: str = "host",
+) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """The checks a database server's config takes (`postgresql`, `mysql`), every error
+    under its field and reported together: the declared fields' (`check_declared_fields`;
+    a config that is not an object raises at once), the connector's `own`
+    (adding to the errors it is given), `port` in 1..65535, then, only when all of those
+    pass, the site's target policy, its problems under `policy_field`. Returns the
+    config and the errors; the caller adds its own and raises."""
+    try:
+        config = connector.check_declared_fields(config)
+        errors: dict[str, list[str]] = {}
+    except ValidationError as exc:
+        if not hasattr(exc, "error_dict") or "config" in exc.error_dict:
+            raise
+        errors = dict(exc.message_dict)
+    if own is not None:
+        own(config, errors)
+    port = config.get("port")
+    if isinstance(port, int) and not 0 < port < 65536:
+        errors["port"] = ["must be between 1 and 65535"]
+    if not errors and config.get(policy_field):
+        problems = policy(config)
+        if problems:
+            errors[policy_field] = problems
+    return config, errors
 
 
 def require_object(spec: Any, what: str = "spec") -> dict[str, Any]:

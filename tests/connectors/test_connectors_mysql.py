@@ -19,6 +19,7 @@ from django.core.exceptions import ValidationError
 from dispatch.connectors.base import FenceRejected, PermanentError, TransientError
 from dispatch.connectors.mysql import MySQLConnector
 from dispatch.connectors.mysql.localinfile import RefusedRequest
+from dispatch.connectors.mysql.types import NO_LOAD, MySQLType
 from dispatch.connectors.postgresql import PostgreSQLConnector
 from tests.support.connectors import Ctx, Fence, ScratchDB, run_transfer, scratch_db
 from tests.support.mariadb import MyDB
@@ -416,6 +417,37 @@ def test_load_data__escapes_every_awkward_value_as_the_inserts_do(mydb: MyDB) ->
     got = results[0]
     assert [r[1] for r in got] == AWKWARD_TEXT and all(r[8] is None for r in got)
     assert got[3][2] == bytes(range(256)) + b"nul\x00byte"
+
+
+def test_load_data__a_server_that_refuses_local_infile_gets_inserts(mydb: MyDB) -> None:
+    # MySQL 8's default (local_infile OFF), here on MariaDB: the refused LOAD fails alone,
+    # that batch and the next ones go as INSERTs, in the same transaction.
+    mydb.execute("CREATE TABLE t (id INT, v LONGTEXT)")
+    columns = [type("C", (), {"name": n, "type": ""})() for n in ("id", "v")]
+    [(was,)] = mydb.execute("SELECT @@GLOBAL.local_infile")
+    mydb.execute("SET GLOBAL local_infile = 0")
+    try:
+        with MY.open_writer(mydb.config, {"table": "t", "mode": "replace"}, Ctx(), columns) as w:
+            assert w.use_load  # a LOAD is tried first
+            for first in (1, 3):
+                assert w.write([[first, "a\tb"], [first + 1, None]]) == 2
+                assert not w._load
+            w.commit()
+    finally:
+        mydb.execute("SET GLOBAL local_infile = %s", [was])
+    assert mydb.execute("SELECT * FROM t ORDER BY id") == [
+        (1, "a\tb"),
+        (2, None),
+        (3, "a\tb"),
+        (4, None),
+    ]
+
+
+def test_load_data__mysql_native_json_columns_are_inserted() -> None:
+    # MySQL's JSON type (COLUMN_TYPE `json`) takes no value of CHARACTER SET binary;
+    # MariaDB's JSON is a LONGTEXT and loads.
+    assert MySQLType("json").base in NO_LOAD
+    assert MySQLType("longtext").base not in NO_LOAD
 
 
 def test_load_data__a_request_for_any_other_file_is_refused(mydb: MyDB, tmp_path: Any) -> None:

@@ -162,6 +162,43 @@ def test_postgresql_config__bad_fields_named(unchanged: None) -> None:
     assert errors["sslmode"][0].startswith("must be one of disable, allow, prefer")
 
 
+@pytest.mark.parametrize(
+    ("kind", "config", "expected"),
+    [
+        (
+            "postgresql",
+            {"url": "postgresql://h/d", "host": "h", "port": 0, "sslmode": "maybe"},
+            {
+                "url": [
+                    "give either url or the separate fields, not both (host, port, sslmode set"
+                    " as well)"
+                ],
+                "port": ["must be between 1 and 65535"],
+            },
+        ),
+        ("postgresql", {"port": 5432}, {
+            "host": ["this field is required (or give url)"],
+            "dbname": ["this field is required (or give url)"],
+        }),
+        ("mysql", {"host": "h", "user": "u", "port": 0, "tls": "maybe", "x": 1}, {
+            "x": ["unknown field for a mysql datasource"],
+            "port": ["must be between 1 and 65535"],
+        }),
+    ],
+)  # fmt: skip
+def test_server_configs__every_field_error_reported_together(
+    kind: str, config: dict[str, Any], expected: dict[str, list[str]]
+) -> None:
+    # base.server_config: the declared fields' errors, the connector's own and the port's,
+    # together; the target policy only once those pass (a wrong port is not also refused
+    # as a target).
+    with pytest.raises(ValidationError) as exc_info:
+        registry.get(kind).validate_config(config)
+    errors = exc_info.value.message_dict
+    assert {k: errors[k] for k in expected} == expected
+    assert set(errors) - set(expected) <= {"sslmode", "tls"}  # their choices' messages
+
+
 # Configs and specs are limited to 64 KiB of compact JSON (the models' clean()).
 LIMIT = 64 * 1024
 # json.dumps({"pad": "x" * n}, separators=(",", ":")) is n + 10 bytes.

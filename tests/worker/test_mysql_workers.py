@@ -1,5 +1,6 @@
 """The `mysql` connector through real worker processes: the stale-worker fence on a MySQL
-sink (a worker stopped past its lease while its successor commits), and incremental reads
+sink (a worker stopped past its lease just before its commit while its successor commits:
+its commit is refused by the fence inside the MariaDB transaction), and incremental reads
 exactly once when a worker is killed (a MySQL source into PostgreSQL, and PostgreSQL into
 a MySQL sink)."""
 
@@ -8,13 +9,15 @@ from __future__ import annotations
 import datetime as dt
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from django.db import connection
 
 from dispatch.core.states import Reason, Status
-from dispatch.models import Attempt, Datasource, Run
+from dispatch.models import Attempt, Datasource, Run, Worker
 from tests.connectors.test_incremental_crash import (
     _holder,
     _kill_while_held,
@@ -24,7 +27,8 @@ from tests.connectors.test_incremental_crash import (
 from tests.support import factories
 from tests.support.connectors import ScratchDB, scratch_db
 from tests.support.mariadb import MyDB
-from tests.support.processes import Processes, wait_until
+from tests.support.mysql_pausing import PAUSE_VARIABLE, PAUSED
+from tests.support.processes import Processes, wait_until, worker_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -35,8 +39,6 @@ def pg() -> Iterator[ScratchDB]:
 
 
 def _fence(my: MyDB, run: Run) -> tuple[Any, ...] | None:
-    if not my.execute("SHOW TABLES LIKE 'dispatch_fence'"):
-        return None
     rows = my.execute(
         "SELECT token, attempt_id, committed_at IS NOT NULL FROM dispatch_fence WHERE run_id = %s",
         [str(run.id)],
@@ -44,67 +46,116 @@ def _fence(my: MyDB, run: Run) -> tuple[Any, ...] | None:
     return rows[0] if rows else None
 
 
-def test_fence__a_worker_stopped_past_its_lease_cannot_commit_over_its_successor(
-    mydb: MyDB, processes: Processes
+def test_fence__a_stale_commit_after_sigstop_past_its_lease_is_refused_by_the_sink_fence(
+    mydb: MyDB, processes: Processes, settings: Any
 ) -> None:
+    settings.DISPATCH_CONNECTORS = [PAUSING]
+    env = {"DISPATCH_CONNECTORS": PAUSING}
+    # One row before the run: no load of the run is into an empty table (MariaDB's bulk
+    # insert into an empty table locks it for the whole transaction).
     mydb.execute("CREATE TABLE orders (id BIGINT, customer TEXT, amount DECIMAL(12,2),"
-                 " created_at DATETIME(6))")  # fmt: skip
+                 " created_at DATETIME(6)) ENGINE=InnoDB")  # fmt: skip
+    mydb.execute("INSERT INTO orders (id) VALUES (0)")
     source = Datasource(name="gen", kind="generate", config={})
     source.save()
-    sink = Datasource(name="my", kind="mysql", config=mydb.config)
+    sink = Datasource(name="my", kind="test_mysql_pausing", config=mydb.config)
     sink.save()
     job = factories.JobFactory(
-        source_spec={"rows": 6000, "batch": 100, "delay_ms": 25, "seed": 3},
+        source_spec={"rows": 2000, "batch": 500, "seed": 3},
         sink_spec={"table": "orders", "mode": "append"},
         lease_seconds=2,
         max_attempts=3,
         backoff_seconds=0,
     )
     run = factories.trigger(factories.BindingFactory(job=job, source=source, sink=sink))
-    stale = processes.worker("--worker-id", "stale")
-    first = wait_until(
-        lambda: Attempt.objects.filter(run=run, status=Status.RUNNING).first(),
-        message="attempt 1 running",
-    )
-    wait_until(lambda: _fence(mydb, run), message="attempt 1's fence raised in the sink")
-    stale.send_signal(signal.SIGSTOP)
+    # The stale worker copies every row, passes its last lease check, and stops itself
+    # just before the sink's fenced commit (tests/support/mysql_pausing.py).
+    stale = processes.worker("--worker-id", "stale", env=worker_env(**env, **{PAUSE_VARIABLE: "1"}))
+    wait_until(lambda: _stopped(processes, stale), timeout=60, message="the stale worker stops")
+    _end_stopped_transactions()
+    first = Attempt.objects.get(run=run, number=1)
+    assert first.worker_id == "stale" and first.status == Status.RUNNING
+    # Its rows in its open transaction, the fence row untouched by it since the raise.
+    assert _uncommitted(mydb) == [(2000,)]
+    assert _fence(mydb, run) == (first.lease_token, None, 0)
     try:
-        successor = processes.worker("--worker-id", "successor")
+        successor = processes.worker("--worker-id", "successor", env=worker_env(**env))
         wait_until(
             lambda: Run.objects.filter(pk=run.pk, status=Status.SUCCEEDED).exists(),
-            timeout=90,
+            timeout=60,
             message="the successor commits the run",
         )
         winner = Attempt.objects.get(run=run, status=Status.SUCCEEDED)
-        assert winner.pk != first.pk
+        assert winner.number == 2 and winner.worker_id == "successor"
+        assert _fence(mydb, run) == (winner.lease_token, str(winner.pk), 1)
+        assert _stopped(processes, stale)  # still stopped at its commit
     finally:
         stale.send_signal(signal.SIGCONT)
-    # The stale worker wakes holding uncommitted rows: its commit is refused (the fence is
-    # at the successor's token and committed), it records nothing.
+    # The stale worker wakes and sends its fenced UPDATE: the fence row is at the
+    # successor's token, committed, so no row matches; the transaction rolls back.
     wait_until(
-        lambda: (
-            "refused" in processes.output(stale)
-            or "stopped without recording" in processes.output(stale)
-        ),
+        lambda: "stale commit refused by the sink fence" in processes.output(stale),
         timeout=60,
-        message="the stale worker gives the attempt up",
+        message="the stale commit refused",
     )
-    wait_until(
-        lambda: (
-            not mydb.execute(
-                "SELECT 1 FROM information_schema.INNODB_TRX WHERE trx_rows_modified > 0"
-            )
-        ),
-        timeout=60,
-        message="the stale transaction rolled back",
-    )
-    assert mydb.execute("SELECT COUNT(*), COUNT(DISTINCT id) FROM orders") == [(6000, 6000)]
-    token, attempt_id, committed = _fence(mydb, run)  # type: ignore[misc]
-    assert committed and attempt_id == str(winner.pk) and token > 1
+    assert f"no longer at token {first.lease_token}" in processes.output(stale)
+    wait_until(lambda: not _uncommitted(mydb), timeout=30, message="the stale rows rolled back")
+    assert mydb.execute("SELECT COUNT(*), COUNT(DISTINCT id) FROM orders") == [(2001, 2001)]
+    assert _fence(mydb, run) == (winner.lease_token, str(winner.pk), 1)
     first.refresh_from_db()
-    assert first.status == Status.RETRY_SCHEDULED and first.reason == Reason.LEASE_EXPIRED
+    assert (first.status, first.reason) == (Status.RETRY_SCHEDULED, Reason.LEASE_EXPIRED)
+    assert Attempt.objects.filter(run=run).count() == 2
+    # The stale worker counts the refusal (its next heartbeat records its counters).
+    wait_until(
+        lambda: Worker.objects.filter(pk="stale", stats__fenced_commits=1).exists(),
+        timeout=30,
+        message="the refusal counted",
+    )
     successor.send_signal(signal.SIGTERM)
     assert successor.wait(20) == 0
+
+
+PAUSING = "tests.support.mysql_pausing.PausingMySQLSink"
+
+
+def _stopped(processes: Processes, proc: Any) -> bool:
+    """The process printed that it pauses, and every thread of it is stopped (state T)."""
+    if PAUSED not in processes.output(proc):
+        return False
+    for stat in Path(f"/proc/{proc.pid}/task").glob("*/stat"):
+        text = stat.read_text()
+        if text[text.rindex(")") + 2] != "T":
+            return False
+    return True
+
+
+def _end_stopped_transactions() -> None:
+    """A transaction the stopped worker has open in the coordination database (its
+    heartbeat thread stopped between the statements of one) holds its attempt's row until
+    the worker wakes, and recovery skips a locked attempt: the server ends it, as its
+    idle_in_transaction_session_timeout would."""
+    others = (
+        "SELECT pid, state FROM pg_stat_activity WHERE datname = current_database()"
+        " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+    )
+    with connection.cursor() as cursor:
+
+        def settled() -> bool:  # nothing of the stopped worker still running
+            cursor.execute(others)
+            return not any(state == "active" for _, state in cursor.fetchall())
+
+        wait_until(settled, message="the stopped worker's statements done")
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            " AND state IN ('idle in transaction', 'idle in transaction (aborted)')"
+        )
+
+
+def _uncommitted(my: MyDB) -> list[tuple[Any, ...]]:
+    return my.execute(
+        "SELECT trx_rows_modified FROM information_schema.INNODB_TRX WHERE trx_rows_modified > 0"
+    )
 
 
 ROWS = 2000

@@ -23,6 +23,7 @@ from dispatch.connectors.base import (
     TransferContext,
     check_unknown,
     require_object,
+    server_config,
 )
 from dispatch.connectors.mysql.connect import (
     DEFAULT_LOCK_TIMEOUT_SECONDS,
@@ -111,20 +112,7 @@ class MySQLConnector(Connector):
 
     @classmethod
     def validate_config(cls, config: dict[str, Any]) -> dict[str, Any]:
-        try:
-            config = super().validate_config(config)
-            errors_: dict[str, list[str]] = {}
-        except ValidationError as exc:
-            if not hasattr(exc, "error_dict") or "config" in exc.error_dict:
-                raise
-            errors_ = dict(exc.message_dict)
-        port = config.get("port")
-        if isinstance(port, int) and not 0 < port < 65536:
-            errors_["port"] = ["must be between 1 and 65535"]
-        if not errors_ and config.get("host"):
-            problems = policy_errors(config)
-            if problems:
-                errors_["host"] = problems
+        config, errors_ = server_config(cls, config, policy=policy_errors)
         if errors_:
             raise ValidationError(errors_)
         return config

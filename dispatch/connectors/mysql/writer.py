@@ -32,6 +32,10 @@ from dispatch.connectors.mysql.connect import (
     table_sql,
 )
 
+# The server refuses LOAD DATA LOCAL INFILE: MySQL 8's `local_infile` is OFF by default
+# (3948), MariaDB's can be turned off (4166), older servers' 1148.
+LOCAL_INFILE_REFUSED = frozenset({1148, 3948, 4166})
+
 # Rows per INSERT statement (pymysql's executemany joins them into one multi-row INSERT,
 # cut below max_allowed_packet).
 INSERT_ROWS = 1000
@@ -326,10 +330,20 @@ class Writer:
         rows = [[f(v) for f, v in zip(checks, row, strict=True)] for row in batch]
         with errors(self.secrets, "sink write"), self._cur() as cur:
             if self._load:
-                loaded = self.conn.load(cur, self._load, types.load_data(rows))
-                if loaded != len(rows):
-                    raise PermanentError(f"sink write: LOAD DATA took {loaded} of {len(rows)} rows")
-            else:
+                try:
+                    loaded = self.conn.load(cur, self._load, types.load_data(rows))
+                except pymysql.MySQLError as exc:
+                    if not exc.args or exc.args[0] not in LOCAL_INFILE_REFUSED:
+                        raise
+                    # Refused before any row is read (the statement fails alone, the
+                    # transaction goes on): this batch and the next ones go as INSERTs.
+                    self._load = ""
+                else:
+                    if loaded != len(rows):
+                        raise PermanentError(
+                            f"sink write: LOAD DATA took {loaded} of {len(rows)} rows"
+                        )
+            if not self._load:
                 for i in range(0, len(rows), INSERT_ROWS):
                     cur.executemany(self._insert, rows[i : i + INSERT_ROWS])
         self.rows += len(batch)

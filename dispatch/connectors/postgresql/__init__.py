@@ -27,6 +27,7 @@ from dispatch.connectors.base import (
     TransferContext,
     check_unknown,
     require_object,
+    server_config,
 )
 from dispatch.connectors.postgresql import schema_policy, slices
 from dispatch.connectors.postgresql.cancel import _Canceller
@@ -59,6 +60,28 @@ __all__ = [
     "parse_table",
     "policy_errors",
 ]
+
+
+def _own_config_errors(config: dict[str, Any], errors: dict[str, list[str]]) -> None:
+    """A URL, or a host and a database; never both a URL and the separate fields."""
+    if config.get("url"):
+        url = str(config["url"])
+        if not url.startswith(("postgres://", "postgresql://")):
+            errors["url"] = ["must start with postgresql:// or postgres://"]
+        else:
+            try:
+                conninfo_to_dict(url)
+            except psycopg.ProgrammingError:
+                errors["url"] = ["is not a valid PostgreSQL URL"]
+        mixed = [k for k in URL_EXCLUSIVE if config.get(k) not in (None, "")]
+        if mixed:
+            errors.setdefault("url", []).append(
+                f"give either url or the separate fields, not both ({', '.join(mixed)} set as well)"
+            )
+    elif not config.get("host"):
+        errors["host"] = ["this field is required (or give url)"]
+    if not config.get("url") and not config.get("dbname"):
+        errors["dbname"] = ["this field is required (or give url)"]
 
 
 class PostgreSQLConnector(Connector):
@@ -196,42 +219,15 @@ class PostgreSQLConnector(Connector):
 
     @classmethod
     def validate_config(cls, config: dict[str, Any]) -> dict[str, Any]:
-        # The declared fields' checks (types, sslmode's choices) and the ones below are
-        # reported together.
-        try:
-            config = super().validate_config(config)
-            errors: dict[str, list[str]] = {}
-        except ValidationError as exc:
-            if not hasattr(exc, "error_dict") or "config" in exc.error_dict:
-                raise
-            errors = dict(exc.message_dict)
-        if config.get("url"):
-            url = str(config["url"])
-            if not url.startswith(("postgres://", "postgresql://")):
-                errors["url"] = ["must start with postgresql:// or postgres://"]
-            else:
-                try:
-                    conninfo_to_dict(url)
-                except psycopg.ProgrammingError:
-                    errors["url"] = ["is not a valid PostgreSQL URL"]
-        elif not config.get("host"):
-            errors["host"] = ["this field is required (or give url)"]
-        if not config.get("url") and not config.get("dbname"):
-            errors["dbname"] = ["this field is required (or give url)"]
-        port = config.get("port")
-        if isinstance(port, int) and not 0 < port < 65536:
-            errors["port"] = ["must be between 1 and 65535"]
-        if config.get("url"):
-            mixed = [k for k in URL_EXCLUSIVE if config.get(k) not in (None, "")]
-            if mixed:
-                errors.setdefault("url", []).append(
-                    f"give either url or the separate fields, not both ({', '.join(mixed)} "
-                    "set as well)"
-                )
-        if not errors:
-            problems = policy_errors(config)
-            if problems:
-                errors["url" if config.get("url") else "host"] = problems
+        # The declared fields' checks (types, sslmode's choices), `_own_config_errors`, the
+        # port's and the target policy are reported together (base.server_config).
+        config, errors = server_config(
+            cls,
+            config,
+            own=_own_config_errors,
+            policy=policy_errors,
+            policy_field="url" if isinstance(config, dict) and config.get("url") else "host",
+        )
         if config.get("require_auth"):
             methods = [m.strip() for m in str(config["require_auth"]).split(",")]
             negated = {m.startswith("!") for m in methods}
