@@ -134,6 +134,12 @@ class Reader:
         self._order = ""
         self._stream: Any = None
 
+    @property
+    def server_version(self) -> str | None:
+        """The server's version, for the attempt's event log."""
+        conn = getattr(self, "conn", None)
+        return None if conn is None else str(conn.get_server_info())
+
     def _relation(self, escaped: bool = False) -> str:
         """The table's or query's SELECT; `escaped` doubles its % signs, for a statement
         that also takes parameters."""

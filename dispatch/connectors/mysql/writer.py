@@ -86,6 +86,12 @@ class Writer:
         self._cursor_new: tuple[tuple[str, ...], list[str] | None] | None = None
         self.cursor_committed: incremental.CommittedCursor | None = None
 
+    @property
+    def server_version(self) -> str | None:
+        """The server's version, for the attempt's event log."""
+        conn = getattr(self, "conn", None)
+        return None if conn is None else str(conn.get_server_info())
+
     def _t(self, name: str) -> str:
         return table_sql(self.database, name)
 

@@ -115,6 +115,11 @@ class _Reader:
         # transaction, so it cannot change anything.
         return sql.SQL(_strip_query(self.spec["query"]))  # type: ignore[arg-type]
 
+    @property
+    def server_version(self) -> str | None:
+        """The source server's version, for the attempt's event log."""
+        return None if self.conn is None else self.conn.info.parameter_status("server_version")
+
     def open(self) -> None:
         session = open_session(self.config, self.spec, what="source connect")
         self.conn = session.conn
