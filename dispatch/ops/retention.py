@@ -1,14 +1,14 @@
-"""Retention: delete finished runs (with their attempts and admin history) once their
-status's retention has passed, in small batches that never block a claim.
+"""Retention: delete finished runs (with their attempts, event logs and admin history)
+once their status's retention has passed, in small batches that never block a claim.
 
 Transaction contract: each batch is one short transaction that picks at most
 `DISPATCH_RETENTION_BATCH` runs `FOR UPDATE OF run SKIP LOCKED` (a run somebody holds is
 left for the next pass; nothing here ever waits for a claim, a settlement or an
-operator), deletes their attempts, their event logs, their admin history entries and the runs, and
-commits. `lock_timeout` bounds any other wait to a second. Passes are idempotent, so any
-worker may run one; `maybe_prune` lets one caller through per `DISPATCH_RETENTION_INTERVAL`
-(a conditional update on `dispatch_opsstate`, which saves work and carries no
-correctness). Which rule protects what is in `docs/operations.md`.
+operator), deletes their attempts, their event logs, their admin history entries and
+the runs, and commits. `lock_timeout` bounds any other wait to a second. Passes are
+idempotent, so any worker may run one; `maybe_prune` lets one caller through per
+`DISPATCH_RETENTION_INTERVAL` (a conditional update on `dispatch_opsstate`, which saves
+work and carries no correctness). Which rule protects what is in `docs/operations.md`.
 """
 
 from __future__ import annotations

@@ -4,19 +4,27 @@ counted when dropped, and what the settlement adds."""
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from django.db import connection
 from django.test import override_settings
 
+from dispatch.connectors.builtin import GenerateConnector
+from dispatch.connectors.postgresql import PostgreSQLConnector as PG
 from dispatch.core.db import db_now
 from dispatch.core.states import Status
 from dispatch.models import Attempt, AttemptEvent
 from dispatch.worker import claims
 from dispatch.worker.events import EventBuffer
-from dispatch.worker.runner import ExecutionControl, Runner
+from dispatch.worker.runner import Context, ExecutionControl, Runner
+from tests.support.connectors import Ctx, ScratchDB, connect, run_transfer, scratch_db
 from tests.support.factories import BindingFactory, trigger
 from tests.support.helpers import attempts_of, claim_one, expire
+from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -137,3 +145,72 @@ def test_events__a_secret_in_an_error_never_reaches_the_log():
     assert "hunter2" not in json.dumps(rows)
     assert "********" in rows[0][1]
     assert attempts_of(Attempt.objects.get(pk=c.attempt_id).run)[1].status == Status.PENDING
+
+
+@dataclass
+class EventCtx(Ctx):
+    """A connector context that keeps the events a connector notes, as the runner's does."""
+
+    events: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
+
+    def event(self, kind: str, message: str, **data: Any) -> None:
+        self.events.append((kind, message, data))
+
+
+@pytest.fixture
+def sink_db() -> Iterator[ScratchDB]:
+    yield from scratch_db("dispatch_events_sink")
+
+
+def test_events__the_postgresql_sink_notes_its_wait_for_the_fence_row(sink_db: ScratchDB):
+    """A rival's data transaction holds the run's fence row: the writer notes how long it
+    waited for it (the runner keeps it over DISPATCH_EVENT_LOCK_WAIT_SECONDS), then the
+    fence it raised."""
+    ctx = EventCtx()
+    spec = {"table": "t", "create": True}
+    run_transfer(GenerateConnector, {}, {"rows": 1}, PG, sink_db.config, spec, EventCtx())
+    done: list[Any] = []
+    with connect(sink_db.name) as rival:
+        rival.autocommit = False
+        rival.execute(
+            "INSERT INTO dispatch_fence (run_id, binding_id, token) VALUES (%s, %s, 0)",
+            [ctx.fence.run_id, ctx.fence.binding_id],
+        )
+
+        def transfer() -> None:
+            try:
+                done.append(
+                    run_transfer(GenerateConnector, {}, {"rows": 2}, PG, sink_db.config, spec, ctx)
+                )
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                done.append(exc)
+
+        thread = threading.Thread(target=transfer)
+        thread.start()
+        wait_until(
+            lambda: sink_db.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock' AND wait_event = 'transactionid'"
+            )[0][0],
+            message="the writer waits on the rival's fence row",
+        )
+        rival.commit()
+        thread.join(timeout=60)
+    assert len(done) == 1 and not isinstance(done[0], BaseException), done
+    kinds = [k for k, _, _ in ctx.events]
+    assert kinds[:2] == ["lock_wait", "fence_raised"]
+    waited = ctx.events[0][2]["seconds"]
+    assert waited > 0 and ctx.events[0][1] == "the sink's fence row"
+    assert kinds[2] == "read_started"
+    # The runner's context keeps a wait only over the threshold.
+    trigger(BindingFactory())
+    c = claim_one()
+    with override_settings(DISPATCH_EVENT_LOCK_WAIT_SECONDS=waited / 2):
+        runner_ctx = Context(ExecutionControl(c))
+    with override_settings(DISPATCH_EVENT_LOCK_WAIT_SECONDS=waited + 1):
+        quiet = Context(ExecutionControl(c))
+    quiet.event("lock_wait", "the sink's fence row", seconds=waited)
+    runner_ctx.event("lock_wait", "the sink's fence row", seconds=waited)
+    assert quiet.control.events.take()[0] == []
+    [(_, kind, message, data)] = runner_ctx.control.events.take()[0]
+    assert kind == "lock_wait" and message.startswith("waited ") and data["seconds"] > 0
