@@ -209,6 +209,16 @@ class AttemptFence:
             raise LeaseLost("the attempt is no longer this worker's")
 
 
+def connected_message(claimed: ClaimedAttempt, data: dict[str, Any]) -> str:
+    """A `connected` event's line: the side, its connector kind and its server's version
+    (`data`: side, server_version); the kind is put into `data`."""
+    side = str(data.get("side"))
+    kind = claimed.source_kind if side == "source" else claimed.sink_kind
+    data["connector"] = kind
+    version = data.get("server_version")
+    return f"connected to the {side} ({kind}" + (f", server {version})" if version else ")")
+
+
 class Context:
     """The `TransferContext` handed to connectors."""
 
@@ -222,6 +232,8 @@ class Context:
         self._progress_every = conf.event_progress_seconds()
         self._lock_wait_over = conf.event_lock_wait_seconds()
         self._progress_at = time.monotonic()
+        # The sides ("source", "sink") whose connector told of its connection itself.
+        self.connected: set[str] = set()
 
     def event(self, kind: str, message: str, **data: Any) -> None:
         """An event for the attempt's log (connectors call it through `note_event`): a
@@ -233,6 +245,11 @@ class Context:
                 return
             data["seconds"] = round(seconds, 3)
             message = f"waited {seconds:.1f}s for a lock: {message}"
+        elif kind == "connected":
+            # A connector tells when its connection opened (before its fence, say) and
+            # its server's version; the runner says which side and kind it is.
+            self.connected.add(str(data.get("side")))
+            message = connected_message(self.control.claimed, data)
         self.control.events.record(kind, sanitize(message, self.secrets), **data)
 
     def moved(self, nbytes: int) -> None:
@@ -493,21 +510,17 @@ class Runner:
         self._error_logged = True
         self._record("error", f"{type(exc).__name__}: {exc}", error_class=type(exc).__name__)
 
-    def _connected(self, reader: Any, writer: Any) -> None:
-        """The source's and the sink's connections are open: their servers' versions."""
-        c = self.claimed
-        for side, kind, opened in (
-            ("source", c.source_kind, reader),
-            ("sink", c.sink_kind, writer),
-        ):
-            version = getattr(opened, "server_version", None)
-            self._record(
-                "connected",
-                f"connected to the {side} ({kind}" + (f", server {version})" if version else ")"),
-                side=side,
-                connector=kind,
-                server_version=version,
-            )
+    def _connected(self, ctx: Context, reader: Any, writer: Any) -> None:
+        """The source's and the sink's connections are open: a `connected` event for each
+        side whose connector did not log its own (a file, a generator)."""
+        for side, opened in (("source", reader), ("sink", writer)):
+            if side in ctx.connected:
+                continue
+            data: dict[str, Any] = {
+                "side": side,
+                "server_version": getattr(opened, "server_version", None),
+            }
+            self._record("connected", connected_message(self.claimed, data), **data)
 
     def settle(
         self, outcome: str, reason: str | None = None, error: str | None = None
@@ -699,7 +712,7 @@ class Runner:
                     (sink_config, sink_spec),
                     ctx,
                 )
-                self._connected(reader, writer)
+                self._connected(ctx, reader, writer)
                 self.cursor = incremental.prepare(reader, writer)
                 if self.cursor is not None:
                     self._record_cursor(self.cursor)

@@ -198,10 +198,10 @@ def test_events__the_postgresql_sink_notes_its_wait_for_the_fence_row(sink_db: S
         thread.join(timeout=60)
     assert len(done) == 1 and not isinstance(done[0], BaseException), done
     kinds = [k for k, _, _ in ctx.events]
-    assert kinds[:2] == ["lock_wait", "fence_raised"]
-    waited = ctx.events[0][2]["seconds"]
-    assert waited > 0 and ctx.events[0][1] == "the sink's fence row"
-    assert kinds[2] == "read_started"
+    assert kinds == ["connected", "lock_wait", "fence_raised", "read_started"]
+    assert ctx.events[0][2]["side"] == "sink" and ctx.events[0][2]["server_version"]
+    waited = ctx.events[1][2]["seconds"]
+    assert waited > 0 and ctx.events[1][1] == "the sink's fence row"
     # The runner's context keeps a wait only over the threshold.
     trigger(BindingFactory())
     c = claim_one()

@@ -11,7 +11,7 @@ import pymysql
 from pymysql.constants import FIELD_TYPE, FLAG
 
 from dispatch.connectors import incremental
-from dispatch.connectors.base import Batch, Column, PermanentError, TransferContext
+from dispatch.connectors.base import Batch, Column, PermanentError, TransferContext, note_event
 from dispatch.connectors.mysql import types
 from dispatch.connectors.mysql.connect import (
     Interrupter,
@@ -156,6 +156,7 @@ class Reader:
 
     def open(self) -> None:
         self.conn = connect(self.config, what="source connect", spec=self.spec)
+        note_event(self.ctx, "connected", "", side="source", server_version=self.server_version)
         with errors(self.secrets, "source"):
             info = session(self.conn, self.spec, read_only=True)
             self._interrupter.attach(info["thread_id"], self.conn)

@@ -103,6 +103,7 @@ class Writer:
     # -- set-up ----------------------------------------------------------------------------
     def open(self) -> None:
         self.conn = connect(self.config, what="sink connect", spec=self.spec, local_stream=True)
+        note_event(self.ctx, "connected", "", side="sink", server_version=self.server_version)
         with errors(self.secrets, "sink"):
             info = session(self.conn, self.spec, read_only=False)
             self._interrupter.attach(info["thread_id"], self.conn)

@@ -131,6 +131,7 @@ class _Writer:
         self.conn = session.conn
         self._canceller.attach(self.conn)
         self._canceller.watch(session.pid)
+        note_event(self.ctx, "connected", "", side="sink", server_version=self.server_version)
         with _errors(self.secrets, "sink", self._canceller):
             schema, self.name = parse_table(self.spec["table"])
             self.schema = schema or session.schema
