@@ -527,8 +527,10 @@ class Runner:
     ) -> str | None:
         clean_error = sanitize(error, self.secrets) if error else None
         if clean_error and not self._error_logged:
+            # An error without an exception (a bad spec, a snapshot that does not open):
+            # its reason stands for the class.
             self._error_logged = True
-            self.control.events.record("error", clean_error, error_class=reason or outcome)
+            self.control.events.record("error", clean_error, reason=reason or outcome)
         # Taken once: a retry of the settlement sends the same events (if the first try
         # committed, the retry matches no row and writes nothing).
         events, lost = self.control.events.take(wait=conf.coordination_timeout() or 10.0)
