@@ -82,7 +82,7 @@ def test_worker_events__success_failure_and_a_killed_attempt(processes):
     # Killed mid-run: what its heartbeats wrote stays; recovery adds the settlement.
     slow = trigger(
         BindingFactory(
-            job__lease_seconds=2, job__source_spec={"rows": 40, "batch": 1, "delay_ms": 100}
+            job__lease_seconds=2, job__source_spec={"rows": 50, "batch": 1, "delay_ms": 100}
         )
     )
     wait_until(
