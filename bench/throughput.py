@@ -19,7 +19,7 @@ from bench import common
 
 # One lifecycle through the statements the product runs: the trigger (one call of
 # `dispatch_trigger_v4`, without the wake-up: the workers here are pgbench's clients), the worker's claim (`dispatch_claim_v5`, limit 1) and its
-# settlement (`dispatch_settle_v2`). `:b` picks one of the bindings; `\gset` keeps the
+# settlement (`dispatch_settle_v3`). `:b` picks one of the bindings; `\gset` keeps the
 # claim's output.
 PGBENCH_SCRIPT = """\
 \\set b random(0, {last})
@@ -27,7 +27,8 @@ SELECT count(*) FROM dispatch_trigger_v4(ARRAY[gen_random_uuid()],
   ARRAY(SELECT id FROM dispatch_jobbinding WHERE name = 'bench-' || :b), 'API', '',
   NULL, NULL, NULL);
 SELECT attempt_id, lease_token FROM dispatch_claim_v5('pgbench', NULL, 1) \\gset
-SELECT dispatch_settle_v2(':attempt_id'::uuid, :lease_token, 'SUCCEEDED', NULL, NULL, 0, 0);
+SELECT dispatch_settle_v3(':attempt_id'::uuid, :lease_token, 'SUCCEEDED', NULL, NULL, 0, 0,
+                         NULL, NULL, NULL);
 """
 
 
@@ -273,7 +274,7 @@ def main(argv: list[str]) -> int:
         f"{shape}. Runs are `generate` 0 rows -> `null` over {args.bindings} bindings "
         f"(max_concurrency {args.max_concurrency}). pgbench: {clients} clients, each script "
         "one lifecycle through the product's statements (`dispatch_trigger_v4`, "
-        "`dispatch_claim_v5` limit 1, `dispatch_settle_v2`). Rates in database time (first "
+        "`dispatch_claim_v5` limit 1, `dispatch_settle_v3`). Rates in database time (first "
         f"claim or start to last finish); {args.rounds} alternated rounds. CPU per run: the "
         "worker processes and the whole PostgreSQL server (every backend, the benchmark's "
         "own polling included) from the release to the last finish. Transactions and "
@@ -330,7 +331,7 @@ def main(argv: list[str]) -> int:
     total = args.runs * args.rounds
     report.add(
         f"Directed-claim misses reported by the dispatch workers: {misses}; runs claimed by "
-        f"the settlement of the slot's previous run (one call, `dispatch_settle_claim_v5`): "
+        f"the settlement of the slot's previous run (one call, `dispatch_settle_claim_v6`): "
         f"{refills} of {total}."
     )
     report.emit(doc=not args.no_doc)

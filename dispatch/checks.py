@@ -38,6 +38,9 @@ CHECK_IDS: dict[str, str] = {
     "number within its bounds",
     "dispatch.E020": "a DISPATCH_PARQUET_BASE_DIRS entry is refused itself (not absolute, or a "
     "system, Python, PATH or home directory, in one or containing one)",
+    "dispatch.E021": "DISPATCH_EXTERNAL_LOG_URL is not an http(s) URL template whose only "
+    "placeholder is {run_id}, or DISPATCH_EVENTS_PER_ATTEMPT is not a whole number within its "
+    "bounds",
     "dispatch.W001": "DISPATCH_HEALTH_SCAN_LAG is shorter than DISPATCH_COORDINATION_TIMEOUT",
     "dispatch.W002": "stored alert addresses of bindings are outside DISPATCH_ALERT_EMAIL_DOMAINS",
     "dispatch.W003": "another app's command of the same name wins over runworker, trigger, ...",
@@ -123,6 +126,8 @@ TIME_SETTINGS = (
     ("DISPATCH_LISTEN_PROBE_INTERVAL", 0.1, 86_400.0, 30.0),
     ("DISPATCH_LISTEN_PROBE_TIMEOUT", 0.1, 3_600.0, 5.0),
     ("DISPATCH_API_WAIT_MAX_SECONDS", 0.0, 3_600.0, 60.0),
+    ("DISPATCH_EVENT_PROGRESS_SECONDS", 1.0, 86_400.0, 30.0),
+    ("DISPATCH_EVENT_LOCK_WAIT_SECONDS", 0.0, 3_600.0, 1.0),
 )
 
 # The HTTP API's whole-number settings: (name, minimum, maximum, default).
@@ -168,6 +173,66 @@ def check_time_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
                     id="dispatch.E005",
                 )
             )
+    return errors
+
+
+# The most events an attempt may keep (DISPATCH_EVENTS_PER_ATTEMPT): a run page shows
+# them all.
+MAX_EVENTS_PER_ATTEMPT = 10_000
+
+
+def external_log_url_problem(template: Any) -> str:
+    """Why `template` cannot be DISPATCH_EXTERNAL_LOG_URL ("" if it can): an http(s) URL
+    whose only placeholder is `{run_id}` (a stray brace, another name, a format spec or
+    an attribute would fail or leak at render time)."""
+    import string
+    from urllib.parse import urlsplit
+
+    if not isinstance(template, str):
+        return "it is not a string"
+    try:
+        fields = [
+            (name, spec, conversion)
+            for _, name, spec, conversion in string.Formatter().parse(template)
+            if name is not None
+        ]
+    except ValueError as exc:
+        return f"it is not a valid template ({exc})"
+    if not fields:
+        return "it has no {run_id} placeholder"
+    if any(f != ("run_id", "", None) for f in fields):
+        return "its only placeholder may be {run_id} (no other name, format or conversion)"
+    parts = urlsplit(template.replace("{run_id}", "0"))
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return "it is not an http:// or https:// URL with a host"
+    return ""
+
+
+@register()
+def check_event_log_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """dispatch.E021: the event log's link to an external log system and its cap."""
+    errors = []
+    template = getattr(settings, "DISPATCH_EXTERNAL_LOG_URL", "")
+    if template:
+        problem = external_log_url_problem(template)
+        if problem:
+            errors.append(
+                Error(
+                    f"DISPATCH_EXTERNAL_LOG_URL cannot be used: {problem}.",
+                    hint="Set it to a URL such as https://logs.example.com/search?q={run_id}, "
+                    "or leave it empty for no link.",
+                    id="dispatch.E021",
+                )
+            )
+    cap = getattr(settings, "DISPATCH_EVENTS_PER_ATTEMPT", 200)
+    if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= MAX_EVENTS_PER_ATTEMPT:
+        errors.append(
+            Error(
+                f"DISPATCH_EVENTS_PER_ATTEMPT is {cap!r}; it must be a whole number from 0 to "
+                f"{MAX_EVENTS_PER_ATTEMPT}.",
+                id="dispatch.E021",
+            )
+        )
     return errors
 
 

@@ -580,6 +580,10 @@ def release_attempt(attempt: Attempt | uuid.UUID | str, *, by: Any = None) -> Ou
                     "error": None,
                     "rows_read": None,
                     "rows_written": None,
+                    # No worker events: the settlement logs its own (the release).
+                    "events": None,
+                    "lost": None,
+                    "cap": None,
                 },
             )
             (status,) = cursor.fetchone()

@@ -237,6 +237,12 @@ DISPATCH_ALERT_RATE_LIMIT = env.int("DISPATCH_ALERT_RATE_LIMIT", default=10)
 DISPATCH_ALERT_WEBHOOKS = _json("DISPATCH_ALERT_WEBHOOKS", {})
 # Domains a binding's own alert addresses may be at; "*": any; empty: none (ADMINS only).
 DISPATCH_ALERT_EMAIL_DOMAINS = env.list("DISPATCH_ALERT_EMAIL_DOMAINS", default=[])
+# The attempts' event logs (docs/settings.md): the cap, the progress interval, the lock
+# waits worth an event, and a link from the run page to an external log system.
+DISPATCH_EVENTS_PER_ATTEMPT = env.int("DISPATCH_EVENTS_PER_ATTEMPT", default=200)
+DISPATCH_EVENT_PROGRESS_SECONDS = _float("DISPATCH_EVENT_PROGRESS_SECONDS", 30.0)
+DISPATCH_EVENT_LOCK_WAIT_SECONDS = _float("DISPATCH_EVENT_LOCK_WAIT_SECONDS", 1.0)
+DISPATCH_EXTERNAL_LOG_URL = env.str("DISPATCH_EXTERNAL_LOG_URL", default="")
 ADMINS = [("", a.strip()) for a in env.str("DISPATCH_ADMINS", default="").split(",") if a.strip()]
 DISPATCH_METRICS_PATH = env.str("DISPATCH_METRICS_PATH", default="metrics")
 DISPATCH_METRICS_TOKEN = env.str("DISPATCH_METRICS_TOKEN", default="")

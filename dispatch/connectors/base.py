@@ -110,6 +110,16 @@ class TransferContext(Protocol):
         """Sleep, returning early (with `Stopped`) when the transfer must stop."""
 
 
+def note_event(ctx: Any, kind: str, message: str, **data: Any) -> None:
+    """Tell the runner of an event of the transfer for the attempt's log (`lock_wait` with
+    `seconds`: the runner keeps only waits over its threshold; `fence_raised`). Optional
+    on both sides: a context without `event` (a test's, a tool's) takes none. The message
+    names no secret (the runner sanitizes it too)."""
+    event = getattr(ctx, "event", None)
+    if event is not None:
+        event(kind, message, **data)
+
+
 class Reader(Protocol):
     columns: list[Column]
 

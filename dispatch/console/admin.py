@@ -27,6 +27,7 @@ from django.db.models import (
     F,
     IntegerField,
     OuterRef,
+    Prefetch,
     QuerySet,
     Subquery,
 )
@@ -80,6 +81,7 @@ from dispatch.core.states import (
 from dispatch.models import (
     SECRET_MASK,
     Attempt,
+    AttemptEvent,
     BindingCursor,
     BindingHealth,
     Datasource,
@@ -959,7 +961,19 @@ class AttemptInline(admin.TabularInline):  # type: ignore[type-arg]
             .get_queryset(request)
             .defer("source_snapshot", "sink_snapshot")
             .order_by("number")
+            # Every attempt's events in one query (dispatch_attemptevent_seq_uniq), at
+            # most DISPATCH_EVENTS_PER_ATTEMPT + 1 each.
+            .prefetch_related(
+                Prefetch("events", queryset=AttemptEvent.objects.order_by("attempt_id", "seq"))
+            )
         )
+
+
+def external_log_link(run_id: Any) -> str:
+    """The run's page in the external log system (DISPATCH_EXTERNAL_LOG_URL with the
+    run's id; `dispatch.E0xx` checks the template); "" when none is set."""
+    template = conf.external_log_url()
+    return template.format(run_id=run_id) if template else ""
 
 
 def receipt_text(attempt: Attempt | None) -> str:
@@ -1127,6 +1141,7 @@ class RunAdmin(HistoryAdmin):
                     self.admin_site.name,
                 )
                 response.context_data["release_perm"] = request.user.has_perm(RELEASE.perm)  # type: ignore[index]
+                response.context_data["external_log_url"] = external_log_link(original.pk)  # type: ignore[index]
         return response
 
     @admin.display(description="run", ordering="id")

@@ -340,3 +340,25 @@ def api_token_max_days() -> int:
 def api_wait_max_seconds() -> float:
     """The longest one long-poll (`GET runs/{id}/wait`) holds its request."""
     return float(getattr(settings, "DISPATCH_API_WAIT_MAX_SECONDS", 60.0))
+
+
+def events_per_attempt() -> int:
+    """The most events an attempt's log keeps (the cap, enforced in SQL); the events
+    beyond it are counted on the attempt (`events_dropped`)."""
+    return max(0, int(getattr(settings, "DISPATCH_EVENTS_PER_ATTEMPT", 200)))
+
+
+def event_progress_seconds() -> float:
+    """How often a running attempt logs a progress event (rows and bytes so far)."""
+    return float(getattr(settings, "DISPATCH_EVENT_PROGRESS_SECONDS", 30.0))
+
+
+def event_lock_wait_seconds() -> float:
+    """A wait for a lock at least this long is logged as an event (the sink's fence)."""
+    return float(getattr(settings, "DISPATCH_EVENT_LOCK_WAIT_SECONDS", 1.0))
+
+
+def external_log_url() -> str:
+    """A template with `{run_id}` linking the run page to an external log system
+    ("": no link)."""
+    return str(getattr(settings, "DISPATCH_EXTERNAL_LOG_URL", "") or "")

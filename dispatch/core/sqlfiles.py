@@ -31,6 +31,7 @@ FUNCTION_FILES = (
     "capacity.sql",
     "marks.sql",
     "claim.sql",
+    "events.sql",
     "settle.sql",
     "slices.sql",
     "recover.sql",

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
-from django.db.models import Q, QuerySet
+from django.db.models import Prefetch, Q, QuerySet
 
 from dispatch.core.states import Status
 from dispatch.http.problems import Problem
-from dispatch.models import Attempt, JobBinding, Run
+from dispatch.models import Attempt, AttemptEvent, JobBinding, Run
 
 T = TypeVar("T")
 
@@ -166,9 +166,13 @@ def find_run(ref: str | uuid.UUID) -> Run:
 
 def attempts_of(run: Run) -> list[Attempt]:
     # dispatch_attempt_run_number_uniq (run, number); the snapshots and redacted copies
-    # are never read.
+    # are never read. Their event logs in one more query (dispatch_attemptevent_seq_uniq),
+    # at most DISPATCH_EVENTS_PER_ATTEMPT + 1 rows an attempt.
     return list(
         Attempt.objects.filter(run_id=run.pk)
         .defer("source_snapshot", "sink_snapshot", "source_redacted", "sink_redacted")
         .order_by("number")
+        .prefetch_related(
+            Prefetch("events", queryset=AttemptEvent.objects.order_by("attempt_id", "seq"))
+        )
     )

@@ -65,6 +65,19 @@ class BindingPage(Schema):
     next_cursor: str | None
 
 
+class EventOut(Schema):
+    """One event of an attempt's log (docs/architecture.md, "The event log")."""
+
+    seq: int
+    at: datetime
+    # claimed, connected, lock_wait, read_started, progress, fence_raised, committed,
+    # error, settled.
+    kind: str
+    # Sanitized as a stored error is: no datasource secret.
+    message: str
+    data: dict[str, Any]
+
+
 class AttemptOut(Schema):
     number: int
     status: str
@@ -82,6 +95,10 @@ class AttemptOut(Schema):
     rows_read: int
     rows_written: int
     rows_estimated: int | None
+    # The attempt's event log in order, and how many events the cap (or its worker's full
+    # buffer) left out.
+    events: list[EventOut] = []
+    events_dropped: int = 0
 
 
 class RunOut(Schema):
@@ -214,6 +231,11 @@ def run_detail(run: Run, attempts: list[Attempt]) -> RunDetail:
                 rows_read=a.rows_read,
                 rows_written=a.rows_written,
                 rows_estimated=a.rows_estimated,
+                events=[
+                    EventOut(seq=e.seq, at=e.at, kind=e.kind, message=e.message, data=e.data)
+                    for e in a.events.all()
+                ],
+                events_dropped=a.events_dropped,
             )
             for a in attempts
         ],

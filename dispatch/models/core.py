@@ -701,6 +701,11 @@ class Attempt(models.Model):
     # rows (docs/connectors.md, "Schema changes"): a list of {column, change, type, from};
     # NULL when there were none.
     schema_changes = models.JSONField(null=True, blank=True, editable=False)
+    # The event log's counters (AttemptEvent; sql/functions/events.sql): how many events
+    # the worker offered (written with the heartbeats and the settlement), and how many
+    # of them the cap (DISPATCH_EVENTS_PER_ATTEMPT) or the worker's full buffer left out.
+    events_seen = models.IntegerField(db_default=0, editable=False)
+    events_dropped = models.IntegerField(db_default=0, editable=False)
 
     objects = AttemptQuerySet.as_manager()
 
@@ -794,6 +799,44 @@ class Attempt(models.Model):
 
     def __str__(self) -> str:
         return f"attempt {self.number} of run {self.run_id}"
+
+
+class AttemptEvent(models.Model):
+    """One event of an attempt's log: what its worker saw (claimed, connected, a lock
+    wait, progress, the fence raised, committed, an error) or its settlement. Written only
+    by the SQL of the heartbeat and the settlement, guarded by the attempt's lease token
+    (sql/functions/events.sql); read-only everywhere else."""
+
+    id = models.BigAutoField(primary_key=True)
+    # No index of its own: dispatch_attemptevent_seq_uniq (attempt, seq) leads with it.
+    attempt = models.ForeignKey(
+        Attempt, on_delete=models.CASCADE, related_name="events", db_index=False
+    )
+    # The event's place in its attempt's log, from 1 (numbers left out were dropped).
+    seq = models.IntegerField()
+    # When the worker saw it: the database's clock at the write, minus how long before
+    # the write the worker saw it (its monotonic clock), never the worker's wall clock.
+    at = models.DateTimeField()
+    # What happened: claimed, connected, lock_wait, read_started, progress, fence_raised,
+    # committed, error, settled (EVENT_KINDS in dispatch/worker/events.py).
+    kind = models.CharField(max_length=40)
+    # One line for a reader, sanitized like a stored error (no secrets).
+    message = models.TextField(blank=True, default="")
+    # The event's numbers and names (rows, bytes, seconds, server versions, error class).
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["attempt", "seq"]
+        constraints = [
+            # The timeline of an attempt, in order (the run page, the API, `runs show`),
+            # and the delete of a pruned run's events (retention).
+            models.UniqueConstraint(
+                fields=["attempt", "seq"], name="dispatch_attemptevent_seq_uniq"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} #{self.seq} of attempt {self.attempt_id}"
 
 
 class BindingCursor(models.Model):

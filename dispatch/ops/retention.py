@@ -1,14 +1,14 @@
-"""Retention: delete finished runs (with their attempts and admin history) once their
-status's retention has passed, in small batches that never block a claim.
+"""Retention: delete finished runs (with their attempts, event logs and admin history)
+once their status's retention has passed, in small batches that never block a claim.
 
 Transaction contract: each batch is one short transaction that picks at most
 `DISPATCH_RETENTION_BATCH` runs `FOR UPDATE OF run SKIP LOCKED` (a run somebody holds is
 left for the next pass; nothing here ever waits for a claim, a settlement or an
-operator), deletes their attempts, their admin history entries and the runs, and
-commits. `lock_timeout` bounds any other wait to a second. Passes are idempotent, so any
-worker may run one; `maybe_prune` lets one caller through per `DISPATCH_RETENTION_INTERVAL`
-(a conditional update on `dispatch_opsstate`, which saves work and carries no
-correctness). Which rule protects what is in `docs/operations.md`.
+operator), deletes their attempts, their event logs, their admin history entries and
+the runs, and commits. `lock_timeout` bounds any other wait to a second. Passes are
+idempotent, so any worker may run one; `maybe_prune` lets one caller through per
+`DISPATCH_RETENTION_INTERVAL` (a conditional update on `dispatch_opsstate`, which saves
+work and carries no correctness). Which rule protects what is in `docs/operations.md`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class DryRun(Exception):
 class PruneReport:
     runs: Counter[str] = field(default_factory=Counter)  # final status -> runs deleted
     attempts: int = 0
+    events: int = 0  # the pruned attempts' event log rows
     history_entries: int = 0
     workers: int = 0
     alerts: int = 0
@@ -127,6 +128,9 @@ def prune_batch(status: str, seconds: float, limit: int, report: PruneReport) ->
         cursor.execute(ops_query("prune_delete_slices"), {"runs": run_ids})
         slice_runs, slice_attempts, _plan_rows = cursor.fetchone()
         attempt_ids += list(slice_attempts)
+        # Their event logs (the foreign key is checked at commit).
+        cursor.execute(ops_query("prune_delete_events"), {"attempts": attempt_ids})
+        report.events += cursor.rowcount
         history = _history_ids(run_ids + list(slice_runs), attempt_ids)
         cursor.execute(ops_query("prune_delete_runs"), {"runs": run_ids})
         report.runs[status] += len(run_ids)

@@ -103,6 +103,12 @@ SELECT (SELECT coalesce(array_agg(id), '{}') FROM del_runs),
        (SELECT coalesce(array_agg(id), '{}') FROM del_attempts),
        (SELECT count(*) FROM del_ranges) + (SELECT count(*) FROM del_plans);
 
+-- name: prune_delete_events
+-- The event logs of the attempts pruned in this batch (theirs and their slice runs'): one
+-- probe of dispatch_attemptevent_seq_uniq (attempt_id, seq) per attempt, at most
+-- DISPATCH_EVENTS_PER_ATTEMPT + 1 rows each, whatever the table holds besides.
+DELETE FROM dispatch_attemptevent WHERE attempt_id = ANY (%(attempts)s::uuid[]);
+
 -- name: prune_delete_runs
 DELETE FROM dispatch_run WHERE id = ANY (%(runs)s::uuid[]);
 

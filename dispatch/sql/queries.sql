@@ -6,17 +6,20 @@
 SELECT * FROM dispatch_claim_v5(%(worker)s, %(run)s, %(limit)s, %(generic)s);
 
 -- name: settle
--- A guarded settlement of one attempt (see dispatch_settle_v2); NULL = lease lost.
-SELECT dispatch_settle_v2(%(attempt)s, %(token)s, %(outcome)s, %(reason)s, %(error)s,
-                          %(rows_read)s, %(rows_written)s);
+-- A guarded settlement of one attempt with its last events (see dispatch_settle_v3);
+-- NULL = lease lost.
+SELECT dispatch_settle_v3(%(attempt)s, %(token)s, %(outcome)s, %(reason)s, %(error)s,
+                          %(rows_read)s, %(rows_written)s, %(events)s::jsonb, %(lost)s,
+                          %(cap)s);
 
 -- name: settle_claim
 -- A settlement and the claim of up to `limit` more attempts, in one round trip and one
--- transaction (see dispatch_settle_claim_v5): the status on every row, the claimed
+-- transaction (see dispatch_settle_claim_v6): the status on every row, the claimed
 -- attempt's columns after it (all NULL on the one row of a claim that found nothing).
 SELECT s.settled, (s.claimed).*
-  FROM dispatch_settle_claim_v5(%(attempt)s, %(token)s, %(outcome)s, %(reason)s, %(error)s,
-                                %(rows_read)s, %(rows_written)s, %(worker)s, %(limit)s) s;
+  FROM dispatch_settle_claim_v6(%(attempt)s, %(token)s, %(outcome)s, %(reason)s, %(error)s,
+                                %(rows_read)s, %(rows_written)s, %(events)s::jsonb,
+                                %(lost)s, %(cap)s, %(worker)s, %(limit)s) s;
 
 -- name: recover
 -- One row-isolated recovery pass (see dispatch_recover_v2): outcome NULL + error = a row
@@ -24,8 +27,10 @@ SELECT s.settled, (s.claimed).*
 SELECT * FROM dispatch_recover_v2(%(limit)s, %(skip)s::uuid[]);
 
 -- name: heartbeat
-SELECT * FROM dispatch_heartbeat_v1(%(worker)s, %(attempts)s::uuid[], %(tokens)s::bigint[],
+-- The events of each attempt travel as one JSON text per attempt (events.sql).
+SELECT * FROM dispatch_heartbeat_v2(%(worker)s, %(attempts)s::uuid[], %(tokens)s::bigint[],
                                     %(rows_read)s::bigint[], %(rows_written)s::bigint[],
+                                    %(events)s::jsonb[], %(lost)s::integer[], %(cap)s,
                                     %(stats)s::jsonb);
 
 -- name: live_workers

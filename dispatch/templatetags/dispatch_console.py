@@ -34,6 +34,12 @@ def blocked_badge(blocked: str) -> SafeString:
 
 
 @register.filter
+def event_label(kind: str) -> str:
+    """An event's kind as a reader says it (`lock_wait` -> `lock wait`)."""
+    return kind.replace("_", " ")
+
+
+@register.filter
 def origin_label(origin: str) -> str:
     return f"{origin.lower()}: {badges.ORIGIN_LABEL.get(origin, '')}"
 

@@ -1,7 +1,8 @@
 """The worker's database calls: claim, settle, heartbeat, recovery. Each is one round
 trip to a versioned SQL function (see `dispatch/sql/functions/claim.sql`, `settle.sql`,
 `recover.sql` and `heartbeat.sql` for its lock and transaction contract), on the calling
-thread's own connection, in autocommit.
+thread's own connection, in autocommit. The heartbeat and the settlement carry the
+attempts' buffered events (`events.sql`), written under the same guard.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, ParamSpec, TypeVar
 from django.db import DatabaseError, connection, transaction
 
 from dispatch import signals
-from dispatch.core import deadline
+from dispatch.core import conf, deadline
 from dispatch.core.db import storable
 from dispatch.core.sqlfiles import query
 from dispatch.worker.log import db_error
@@ -224,6 +225,12 @@ def record_schema_changes(attempt_id: uuid.UUID, token: int, changes: list[dict[
         return cursor.rowcount == 1
 
 
+# An attempt's buffered events as the SQL takes them: a JSON array (EventBuffer.as_json)
+# and how many the worker dropped itself.
+Events = tuple[str, int]
+NO_EVENTS: Events = ("[]", 0)
+
+
 @_bounded
 def _outcome(
     attempt_id: uuid.UUID,
@@ -233,9 +240,13 @@ def _outcome(
     error: str | None,
     rows_read: int | None,
     rows_written: int | None,
+    events: Events = NO_EVENTS,
 ) -> dict[str, Any]:
     """The parameters of a settlement, shared by `settle` and `settle_and_claim`."""
     return {
+        "events": events[0],
+        "lost": events[1],
+        "cap": conf.events_per_attempt(),
         "attempt": attempt_id,
         "token": token,
         "outcome": outcome,
@@ -258,12 +269,14 @@ def settle(
     error: str | None = None,
     rows_read: int | None = None,
     rows_written: int | None = None,
+    events: Events = NO_EVENTS,
 ) -> str | None:
-    """Record an attempt's outcome, guarded by status + token. None: the lease was lost."""
+    """Record an attempt's outcome and its last events, guarded by status + token. None:
+    the lease was lost (and nothing was written)."""
     with connection.cursor() as cursor:
         cursor.execute(
             query("settle"),
-            _outcome(attempt_id, token, outcome, reason, error, rows_read, rows_written),
+            _outcome(attempt_id, token, outcome, reason, error, rows_read, rows_written, events),
         )
         (status,) = cursor.fetchone()
     return status
@@ -281,16 +294,19 @@ def settle_and_claim(
     error: str | None = None,
     rows_read: int | None = None,
     rows_written: int | None = None,
+    events: Events = NO_EVENTS,
 ) -> tuple[str | None, list[ClaimedAttempt]]:
     """Settle an attempt and claim up to `limit` more in the same transaction and the same
-    round trip (dispatch_settle_claim_v5): the slot the settlement frees is refilled
+    round trip (dispatch_settle_claim_v6): the slot the settlement frees is refilled
     without a transaction of its own. The claim runs in a subtransaction: if it fails, the
     settlement still commits (and nothing is claimed); a lost lease claims nothing."""
     with connection.cursor() as cursor:
         cursor.execute(
             query("settle_claim"),
             {
-                **_outcome(attempt_id, token, outcome, reason, error, rows_read, rows_written),
+                **_outcome(
+                    attempt_id, token, outcome, reason, error, rows_read, rows_written, events
+                ),
                 "worker": worker_id,
                 "limit": limit,
             },
@@ -307,12 +323,20 @@ class Beat:
     lease_seconds: int
 
 
+# What a heartbeat sends of one held attempt: (attempt, token, rows_read, rows_written),
+# optionally followed by its buffered events (Events).
+Held = tuple[uuid.UUID, int, int, int] | tuple[uuid.UUID, int, int, int, Events]
+
+
+def _events_of(h: Held) -> Events:
+    return h[4] if len(h) > 4 else NO_EVENTS  # type: ignore[misc]
+
+
 @_bounded
-def heartbeat(
-    worker_id: str, held: Sequence[tuple[uuid.UUID, int, int, int]], stats: dict[str, Any]
-) -> dict[uuid.UUID, Beat]:
-    """One statement for all held attempts: (attempt, token, rows_read, rows_written).
-    Returns the attempts that are still this worker's."""
+def heartbeat(worker_id: str, held: Sequence[Held], stats: dict[str, Any]) -> dict[uuid.UUID, Beat]:
+    """One statement for all held attempts: (attempt, token, rows_read, rows_written[,
+    events]). Returns the attempts that are still this worker's; the events of the
+    others were written nowhere (dispatch_heartbeat_v2)."""
     with connection.cursor() as cursor:
         cursor.execute(
             query("heartbeat"),
@@ -322,6 +346,9 @@ def heartbeat(
                 "tokens": [h[1] for h in held],
                 "rows_read": [h[2] for h in held],
                 "rows_written": [h[3] for h in held],
+                "events": [_events_of(h)[0] for h in held],
+                "lost": [_events_of(h)[1] for h in held],
+                "cap": conf.events_per_attempt(),
                 "stats": json.dumps(stats),
             },
         )
@@ -350,7 +377,7 @@ def queue_view() -> QueueView:
 def heartbeat_and_peers(
     stale_seconds: float,
     worker_id: str,
-    held: Sequence[tuple[uuid.UUID, int, int, int]],
+    held: Sequence[Held],
     stats: dict[str, Any],
 ) -> tuple[dict[uuid.UUID, Beat], tuple[str, ...], QueueView]:
     """The heartbeat, and in the same transaction the live workers that reported a free

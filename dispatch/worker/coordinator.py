@@ -45,6 +45,7 @@ from dispatch.core.states import Reason, Status
 from dispatch.worker import claims, listen
 from dispatch.worker.admission import Admission, SlotRefill
 from dispatch.worker.base import RECONNECT_MAX_SECONDS, Execution, TickReport
+from dispatch.worker.events import EventBuffer
 from dispatch.worker.handover import ListenHandover
 from dispatch.worker.heartbeat import Heartbeat
 from dispatch.worker.log import db_error
@@ -276,6 +277,7 @@ class WorkerDispatchCoordinator(Admission, Heartbeat, ListenHandover):
         for execution in running:
             execution.control.stop(StopCause.RELEASED)
             c = execution.claimed
+            events, lost = execution.control.events.take()
             try:
                 status = claims.settle(
                     c.attempt_id,
@@ -284,6 +286,7 @@ class WorkerDispatchCoordinator(Admission, Heartbeat, ListenHandover):
                     reason=Reason.SHUTDOWN_RELEASED,
                     rows_read=execution.control.rows_read,
                     rows_written=execution.control.rows_written,
+                    events=(EventBuffer.as_json(events), lost),
                 )
             except DB_ERRORS as exc:
                 log.error(

@@ -11,6 +11,7 @@ from dispatch.core import deadline
 from dispatch.core.db import DB_ERRORS
 from dispatch.worker import claims
 from dispatch.worker.base import STALE_HEARTBEATS, CoordinatorBase, Execution
+from dispatch.worker.events import EventBuffer
 from dispatch.worker.log import db_error
 from dispatch.worker.runner import StopCause
 
@@ -29,21 +30,32 @@ class Heartbeat(CoordinatorBase):
             stats = dict(self.stats)
         stats.update(self.probe.stats())
         stats["free_slots"] = 0 if self.stopping else self._free()
+        # Each attempt's buffered events go with its lease (written only if the lease is
+        # still ours); given back to the buffer if the heartbeat fails.
+        taken = [e.control.events.take(in_flight=True) for e in held]
         sent_at = time.monotonic()
-        beats, peers, view = claims.heartbeat_and_peers(
-            STALE_HEARTBEATS * self.idle_heartbeat,
-            self.worker_id,
-            [
-                (
-                    e.claimed.attempt_id,
-                    e.claimed.lease_token,
-                    e.control.rows_read,
-                    e.control.rows_written,
-                )
-                for e in held
-            ],
-            stats,
-        )
+        try:
+            beats, peers, view = claims.heartbeat_and_peers(
+                STALE_HEARTBEATS * self.idle_heartbeat,
+                self.worker_id,
+                [
+                    (
+                        e.claimed.attempt_id,
+                        e.claimed.lease_token,
+                        e.control.rows_read,
+                        e.control.rows_written,
+                        (EventBuffer.as_json(events), lost),
+                    )
+                    for e, (events, lost) in zip(held, taken, strict=True)
+                ],
+                stats,
+            )
+        except BaseException:
+            for e, (events, lost) in zip(held, taken, strict=True):
+                e.control.events.put_back(events, lost)
+            raise
+        for e in held:
+            e.control.events.landed()
         with self._lock:
             self._peers = peers
             self._view = (sent_at, view)

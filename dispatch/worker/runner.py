@@ -33,14 +33,16 @@ from dispatch.connectors.base import (
     LeaseLost,
     Stopped,
     copy_format,
+    note_event,
     spec_errors,
 )
-from dispatch.core import deadline
+from dispatch.core import conf, deadline
 from dispatch.core.db import DB_ERRORS, one_line, storable
 from dispatch.core.states import Reason, Status
 from dispatch.security import crypto, targets
 from dispatch.worker import claims
 from dispatch.worker.claims import ClaimedAttempt
+from dispatch.worker.events import EventBuffer
 from dispatch.worker.log import db_error, where
 
 log = logging.getLogger("dispatch.runner")
@@ -66,6 +68,9 @@ class ExecutionControl:
         self.deadline = self.started + claimed.timeout_seconds if claimed.timeout_seconds else None
         self.rows_read = 0
         self.rows_written = 0
+        self.bytes_moved = 0  # COPY bytes handed to the sink (a progress event's bytes)
+        # The attempt's events not yet written: the heartbeat and the settlement take them.
+        self.events = EventBuffer()
         # The source's estimate of its rows, and whether a heartbeat has recorded it.
         self.rows_estimated: int | None = None
         self.estimate_recorded = False
@@ -204,18 +209,67 @@ class AttemptFence:
             raise LeaseLost("the attempt is no longer this worker's")
 
 
+def connected_message(claimed: ClaimedAttempt, data: dict[str, Any]) -> str:
+    """A `connected` event's line: the side, its connector kind and its server's version
+    (`data`: side, server_version); the kind is put into `data`."""
+    side = str(data.get("side"))
+    kind = claimed.source_kind if side == "source" else claimed.sink_kind
+    data["connector"] = kind
+    version = data.get("server_version")
+    return f"connected to the {side} ({kind}" + (f", server {version})" if version else ")")
+
+
 class Context:
     """The `TransferContext` handed to connectors."""
 
-    def __init__(self, control: ExecutionControl) -> None:
+    def __init__(self, control: ExecutionControl, secrets: list[str] | None = None) -> None:
         self.control = control
         self.fence = AttemptFence(control)
         # The binding's key for a source's `columns.hash` (read after the claim), or None.
         self.hash_key: bytes | None = None
+        # What every event's message is cleaned of (the runner's list, kept up to date).
+        self.secrets = secrets if secrets is not None else []
+        self._progress_every = conf.event_progress_seconds()
+        self._lock_wait_over = conf.event_lock_wait_seconds()
+        self._progress_at = time.monotonic()
+        # The sides ("source", "sink") whose connector told of its connection itself.
+        self.connected: set[str] = set()
+
+    def event(self, kind: str, message: str, **data: Any) -> None:
+        """An event for the attempt's log (connectors call it through `note_event`): a
+        lock wait only over DISPATCH_EVENT_LOCK_WAIT_SECONDS; the message sanitized as a
+        stored error is."""
+        if kind == "lock_wait":
+            seconds = float(data.get("seconds") or 0.0)
+            if seconds < self._lock_wait_over:
+                return
+            data["seconds"] = round(seconds, 3)
+            message = f"waited {seconds:.1f}s for a lock: {message}"
+        elif kind == "connected":
+            # A connector tells when its connection opened (before its fence, say) and
+            # its server's version; the runner says which side and kind it is.
+            self.connected.add(str(data.get("side")))
+            message = connected_message(self.control.claimed, data)
+        self.control.events.record(kind, sanitize(message, self.secrets), **data)
+
+    def moved(self, nbytes: int) -> None:
+        """COPY bytes handed to the sink (a progress event's bytes)."""
+        self.control.bytes_moved += nbytes
 
     def progress(self, *, rows_read: int = 0, rows_written: int = 0) -> None:
         self.control.rows_read += rows_read
         self.control.rows_written += rows_written
+        now = time.monotonic()
+        if now - self._progress_at >= self._progress_every:
+            self._progress_at = now
+            c = self.control
+            self.control.events.record(
+                "progress",
+                f"{c.rows_read} rows read, {c.rows_written} written, {c.bytes_moved} bytes",
+                rows_read=c.rows_read,
+                rows_written=c.rows_written,
+                bytes=c.bytes_moved,
+            )
         if self.control.should_stop():
             raise Stopped(self.control.cause.value if self.control.cause else "stop")
 
@@ -437,6 +491,8 @@ class Runner:
         self.cursor: incremental.Prepared | None = None
         # A slice run: its range and its plan (read after the claim).
         self.slice: claims.SliceOf | None = None
+        # Whether the attempt's log has its error event (the settlement adds one if not).
+        self._error_logged = False
 
     def _log(self, message: str, *args: Any, level: int = logging.INFO) -> None:
         c = self.claimed
@@ -444,10 +500,41 @@ class Runner:
             level, message + " run=%s attempt=%s token=%s", *args, c.run_id, c.number, c.lease_token
         )
 
+    def _record(self, kind: str, message: str, **data: Any) -> None:
+        """An event for the attempt's log, its message cleaned as a stored error is."""
+        self.control.events.record(kind, sanitize(message, self.secrets), **data)
+
+    def _error_event(self, exc: BaseException) -> None:
+        """An error for the attempt's log, with its class (the settlement's error event
+        is then not repeated)."""
+        self._error_logged = True
+        self._record("error", f"{type(exc).__name__}: {exc}", error_class=type(exc).__name__)
+
+    def _connected(self, ctx: Context, reader: Any, writer: Any) -> None:
+        """The source's and the sink's connections are open: a `connected` event for each
+        side whose connector did not log its own (a file, a generator)."""
+        for side, opened in (("source", reader), ("sink", writer)):
+            if side in ctx.connected:
+                continue
+            data: dict[str, Any] = {
+                "side": side,
+                "server_version": getattr(opened, "server_version", None),
+            }
+            self._record("connected", connected_message(self.claimed, data), **data)
+
     def settle(
         self, outcome: str, reason: str | None = None, error: str | None = None
     ) -> str | None:
         clean_error = sanitize(error, self.secrets) if error else None
+        if clean_error and not self._error_logged:
+            # An error without an exception (a bad spec, a snapshot that does not open):
+            # its reason stands for the class.
+            self._error_logged = True
+            self.control.events.record("error", clean_error, reason=reason or outcome)
+        # Taken once: a retry of the settlement sends the same events (if the first try
+        # committed, the retry matches no row and writes nothing).
+        events, lost = self.control.events.take(wait=conf.coordination_timeout() or 10.0)
+        logged = (EventBuffer.as_json(events), lost)
         # The settlement is guarded by status + token, so repeating it after a lost
         # connection is safe: if the first one committed, the repeat matches no row. Keep
         # trying while the lease may still be ours (the execution stays registered, so the
@@ -470,6 +557,7 @@ class Runner:
                         error=clean_error,
                         rows_read=self.control.rows_read,
                         rows_written=self.control.rows_written,
+                        events=logged,
                     )
                     self.refilled = status in FINAL_STATUSES
                     if self.refilled or more:
@@ -483,6 +571,7 @@ class Runner:
                         error=clean_error,
                         rows_read=self.control.rows_read,
                         rows_written=self.control.rows_written,
+                        events=logged,
                     )
                 break
             except DB_ERRORS as exc:
@@ -541,6 +630,14 @@ class Runner:
 
     def execute(self) -> str | None:
         c = self.claimed
+        self._record(
+            "claimed",
+            f"claimed by worker {self.worker_id or '-'} with lease token {c.lease_token}"
+            + (" (directed)" if c.directed else ""),
+            worker=self.worker_id,
+            token=c.lease_token,
+            directed=c.directed,
+        )
         signals.started(
             run_id=c.run_id,
             attempt_id=c.attempt_id,
@@ -602,7 +699,7 @@ class Runner:
                 **sink_spec,
                 SLICE_OF: {"parent": str(sl.parent_id), "number": sl.number, "total": sl.total},
             }
-        ctx = Context(self.control)
+        ctx = Context(self.control, self.secrets)
         if column_spec.hashes(source_spec):
             refused = self._load_hash_key(ctx)
             if refused is not None:
@@ -617,6 +714,7 @@ class Runner:
                     (sink_config, sink_spec),
                     ctx,
                 )
+                self._connected(ctx, reader, writer)
                 self.cursor = incremental.prepare(reader, writer)
                 if self.cursor is not None:
                     self._record_cursor(self.cursor)
@@ -627,6 +725,7 @@ class Runner:
                     raise Stopped("stop before commit")
                 result = writer.commit()
         except FenceRejected as exc:
+            self._error_event(exc)
             self.on_event("fenced_commits")
             # What a log line quotes of a connector's error is escaped (`one_line`): a
             # source or sink must not be able to write log lines of its own.
@@ -642,6 +741,7 @@ class Runner:
             # Not a ConnectorError: a fault of a connector (or of this code). The attempt
             # records it; the worker log keeps its message, sanitized as the attempt's
             # error is (secrets masked), and where it was raised.
+            self._error_event(exc)
             log.warning(
                 "attempt error %s: %s run=%s attempt=%s token=%s\n%s",
                 type(exc).__name__,
@@ -655,6 +755,14 @@ class Runner:
                 return self._stopped(exc)
             return self.settle("ERROR", Reason.ERROR, f"{type(exc).__name__}: {exc}")
         self.control.rows_written = max(self.control.rows_written, result.rows_written)
+        self._record(
+            "committed",
+            "already committed by an earlier attempt"
+            if result.already_committed
+            else f"the sink committed {result.rows_written} rows",
+            rows_written=result.rows_written,
+            already_committed=bool(result.already_committed),
+        )
         if getattr(reader, "rows_counted_by_sink", False):
             # The source passed its bytes through uncounted (a CSV file): its rows are
             # the ones the sink parsed.
@@ -742,7 +850,7 @@ class Runner:
                 Reason.PERMANENT_ERROR,
                 f"a {c.sink_kind} sink cannot take a sliced source",
             )
-        ctx = Context(self.control)
+        ctx = Context(self.control, self.secrets)
         try:
             plan = planner(source_config, source_spec, ctx)
             if self.control.should_stop():
@@ -844,12 +952,22 @@ class Runner:
         if getattr(writer, "already_committed", False):
             return  # the run's data is already in the sink: nothing to read
         fmt = copy_format(reader, writer)
+        # A test's or a tool's context may take no events and count no bytes.
+        note_event(
+            ctx,
+            "read_started",
+            "the read began" + (f" (COPY {fmt})" if fmt is not None else " (batches)"),
+            copy=fmt,
+        )
+        moved = getattr(ctx, "moved", None)
         if fmt is not None:
             options = getattr(writer, "copy_options", None)
             chunks = (
                 reader.copy_chunks(fmt) if options is None else reader.copy_chunks(fmt, options)
             )
             for data, rows in CopyPump(chunks, interrupt=getattr(reader, "interrupt", None)):
+                if moved is not None:
+                    moved(len(data))
                 ctx.progress(rows_read=rows)
                 ctx.progress(rows_written=writer.write_copy(data, rows))
             return
@@ -860,6 +978,7 @@ class Runner:
     def _connector_failed(self, exc: ConnectorError) -> str | None:
         """A connector's error ends the attempt: a stop asked meanwhile wins (the error is
         its consequence); else a permanent error fails it, another one is retried."""
+        self._error_event(exc)
         if self.control.cause is not None:
             return self._stopped(exc)
         outcome, reason = (

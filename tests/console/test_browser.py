@@ -8,6 +8,7 @@ Regenerates the screenshots under docs/screenshots/.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -304,3 +305,69 @@ def test_browser__a_sliced_runs_page_shows_its_slices(page: Any) -> None:
     assert page.evaluate("document.documentElement.scrollWidth") <= 1280
     SCREENSHOTS.mkdir(exist_ok=True)
     page.locator("#slices").screenshot(path=str(SCREENSHOTS / "run-slices.png"))
+
+
+def _events(*events: tuple[float, str, str, dict[str, Any]]) -> claims.Events:
+    """Events as a worker's buffer hands them over: (seconds before the write, kind,
+    message, data)."""
+    return (
+        json.dumps([{"ago": ago, "kind": k, "message": m, "data": d} for ago, k, m, d in events]),
+        0,
+    )
+
+
+def test_browser__a_runs_page_shows_each_attempts_events_beside_it(page: Any) -> None:
+    """A run whose first attempt failed on a lock and a broken connection and whose
+    retry succeeded: each attempt's events beside it, in order, within 1,280 px."""
+    b = binding("orders-events", {"rows": 10}, lease=30)
+    run = services.trigger(b)
+    [first] = claims.claim("worker-a", run_id=run.id, limit=1, generic=False)
+    claims.heartbeat(
+        "worker-a",
+        [
+            (first.attempt_id, first.lease_token, 48_000, 48_000, _events(
+                (14.2, "claimed", f"claimed by worker worker-a with lease token {first.lease_token} (directed)", {}),
+                (14.1, "connected", "connected to the source (postgresql, server 16.4)", {}),
+                (14.1, "connected", "connected to the sink (postgresql, server 15.8)", {}),
+                (12.6, "lock_wait", "waited 1.5s for a lock: the sink's fence row", {"seconds": 1.5}),
+                (12.6, "fence_raised", f"the sink's fence raised to token {first.lease_token}", {}),
+                (12.5, "read_started", "the read began (COPY text)", {}),
+                (2.5, "progress", "48000 rows read, 48000 written, 3145728 bytes", {}),
+            )),
+        ],
+        {},
+    )  # fmt: skip
+    claims.settle(
+        first.attempt_id, first.lease_token, "ERROR", reason=Reason.ERROR,
+        error="OperationalError: server closed the connection unexpectedly",
+        events=_events((0.2, "error", "OperationalError: server closed the connection unexpectedly",
+                        {"error_class": "OperationalError"})),
+    )  # fmt: skip
+    [second] = claims.claim("worker-b", run_id=run.id, limit=1, generic=False)
+    claims.settle(
+        second.attempt_id, second.lease_token, "SUCCEEDED", rows_read=100_000,
+        rows_written=100_000,
+        events=_events(
+            (6.1, "claimed", f"claimed by worker worker-b with lease token {second.lease_token}", {}),
+            (6.0, "connected", "connected to the source (postgresql, server 16.4)", {}),
+            (6.0, "connected", "connected to the sink (postgresql, server 15.8)", {}),
+            (5.9, "fence_raised", f"the sink's fence raised to token {second.lease_token}", {}),
+            (5.9, "read_started", "the read began (COPY text)", {}),
+            (0.1, "committed", "the sink committed 100000 rows", {}),
+        ),
+    )  # fmt: skip
+    page.goto(f"{page.base}/admin/dispatch/run/{run.id}/change/")
+    page.wait_for_selector("#attempts-timeline")
+    kinds = page.eval_on_selector_all(
+        "#attempt-1 .dsp-event-list li", "items => items.map(i => i.dataset.kind)"
+    )
+    assert kinds[0] == "claimed" and kinds[-2:] == ["error", "settled"]
+    assert "lock_wait" in kinds
+    assert "committed" in page.inner_text("#attempt-2 .dsp-events")
+    # Beside the attempt's facts, not under them: the events start level with them.
+    facts = page.locator("#attempt-1 .dsp-t-facts").bounding_box()
+    events = page.locator("#attempt-1 .dsp-events").bounding_box()
+    assert events["x"] > facts["x"] + facts["width"] - 1 and abs(events["y"] - facts["y"]) < 40
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+    SCREENSHOTS.mkdir(exist_ok=True)
+    page.locator("#attempts-timeline").screenshot(path=str(SCREENSHOTS / "run-events.png"))

@@ -10,14 +10,14 @@ from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.auth.models import User
 from django.contrib.contenttypes.models import ContentType
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import DurationField, Value
 from django.db.models.functions import Now
 from django.test import override_settings
 
 from dispatch.core import sqlfiles
 from dispatch.core.states import Status
-from dispatch.models import Attempt, Run, Worker
+from dispatch.models import Attempt, AttemptEvent, Run, Worker
 from dispatch.ops import retention
 from dispatch.worker import claims
 from scheduling.models import db_now
@@ -155,7 +155,12 @@ def test_prune__an_open_pruning_batch_never_blocks_a_claim_or_a_trigger():
         ).fetchall()
         ids = [r[0] for r in rows]
         assert len(ids) == 1  # the other is the latest success (R3)
-        pruner.execute(sqlfiles.ops_query("prune_delete_attempts"), {"runs": ids})
+        attempts = pruner.execute(
+            sqlfiles.ops_query("prune_delete_attempts"), {"runs": ids}
+        ).fetchall()
+        pruner.execute(
+            sqlfiles.ops_query("prune_delete_events"), {"attempts": [a[0] for a in attempts]}
+        )
         pruner.execute(sqlfiles.ops_query("prune_delete_runs"), {"runs": ids})
         with connection.cursor() as cursor:
             cursor.execute("SET lock_timeout = '500ms'")  # a wait fails the claim
@@ -306,3 +311,41 @@ def test_prune_command__brings_the_scan_and_the_fold_up_to_date_first(capsys):
     out = capsys.readouterr().out
     assert "health scan: 2 run(s) read" in out and "deleted 1 run(s)" in out
     assert not exists(old)
+
+
+def test_prune__deletes_the_event_logs_of_its_runs_reading_only_theirs():
+    """A batch's delete of event logs probes its attempts' rows only: the same work with
+    10,000 events of kept runs in the table as without (counted, never timed)."""
+    a = BindingFactory()
+    old = [finished_run(a, Status.SUCCEEDED, 30) for _ in range(2)]
+    kept = finished_run(a, Status.SUCCEEDED, 0)
+    kept_attempt = Attempt.objects.get(run=kept)
+    with connection.cursor() as cursor:
+        # A big history of events beside the batch (the kept run's: never pruned here).
+        cursor.execute(
+            "INSERT INTO dispatch_attemptevent (attempt_id, seq, at, kind, message, data)"
+            " SELECT %s, 100 + i, now(), 'progress', '', '{}' FROM generate_series(1, 10000) i",
+            [kept_attempt.pk],
+        )
+        cursor.execute("ANALYZE dispatch_attemptevent")
+    assert AttemptEvent.objects.filter(attempt__run__in=old).count() == 2  # `settled` each
+
+    def counters() -> tuple[int, int, int]:
+        # The backend's counters not flushed yet (earlier statements' included): read
+        # before and after, the difference is the pass's.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT seq_scan, coalesce(idx_tup_fetch, 0) + seq_tup_read, n_tup_del"
+                " FROM pg_stat_xact_user_tables WHERE relname = 'dispatch_attemptevent'"
+            )
+            return cursor.fetchone()
+
+    with transaction.atomic():
+        before = counters()
+        report = retention.prune()
+        after = counters()
+    seq_scans, read, deleted = (a - b for a, b in zip(after, before, strict=True))
+    assert report.total_runs == 2 and report.events == 2
+    assert (seq_scans, deleted) == (0, 2) and read <= 10, (seq_scans, read, deleted)
+    assert not AttemptEvent.objects.filter(attempt__run__in=old).exists()
+    assert AttemptEvent.objects.filter(attempt=kept_attempt).count() == 10_001

@@ -384,7 +384,7 @@ def test_capacity__the_refresh_repairs_a_capacity_mark_left_stale_either_way():
     assert marks(held, free) == [CAP, None]
 
 
-# --- a settlement and the next claim in one call (dispatch_settle_claim_v5) ---------------
+# --- a settlement and the next claim in one call (dispatch_settle_claim_v6) ---------------
 def test_settle_claim__settles_and_claims_the_next_in_one_transaction():
     binding = BindingFactory(max_concurrency=1)
     first, second = trigger(binding), trigger(binding)

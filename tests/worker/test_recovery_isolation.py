@@ -17,7 +17,7 @@ from tests.support.helpers import attempts_of, claim_one, expire
 
 pytestmark = pytest.mark.django_db
 
-MAX_DELAY_SECONDS = 31_622_400  # dispatch_settle_v2's clamp (366 days)
+MAX_DELAY_SECONDS = 31_622_400  # dispatch_settle_v3's clamp (366 days)
 
 
 def overflowing_backoff(job: Job) -> None:

@@ -285,7 +285,7 @@ def test_cancel__racing_a_completion_has_one_outcome():
     run = trigger(BindingFactory())
     c = claim_one()
     with raw_connection() as holder:
-        # The completion holds the run lock (as dispatch_settle_v2 does) ...
+        # The completion holds the run lock (as dispatch_settle_v3 does) ...
         holder.execute("SELECT 1 FROM dispatch_run WHERE id = %s FOR UPDATE", [run.id])
         result: dict[str, object] = {}
         t = threading.Thread(target=lambda: result.update(outcome=_cancel_or_refusal(run)))
@@ -297,7 +297,7 @@ def test_cancel__racing_a_completion_has_one_outcome():
             message="cancel waiting on the run lock",
         )
         holder.execute(
-            "SELECT dispatch_settle_v2(%s, %s, 'SUCCEEDED', NULL, NULL, 1, 1)",
+            "SELECT dispatch_settle_v3(%s, %s, 'SUCCEEDED', NULL, NULL, 1, 1, NULL, NULL, NULL)",
             [c.attempt_id, c.lease_token],
         )
         holder.commit()

@@ -1,6 +1,6 @@
 """Slices in the dispatch database, driven through the real SQL (no connector): planning
 (dispatch_slices_plan_v1), the settlement of slices and of their parent
-(dispatch_slice_settled inside dispatch_settle_v2), max_slices_in_flight, the operator's
+(dispatch_slice_settled inside dispatch_settle_v3), max_slices_in_flight, the operator's
 cancel and retry of a sliced run, siblings settling at once, and what the claim and the
 settlement read beside 10,000 queued slices (buffers counted, never timed)."""
 
@@ -380,6 +380,7 @@ def test_scale__a_slice_claim_and_settlement_read_the_same_beside_10000_queued_s
     settle = {
         "attempt": c.attempt_id, "token": c.lease_token, "outcome": "SUCCEEDED",
         "reason": None, "error": None, "rows_read": 1, "rows_written": 1,
+        "events": None, "lost": None, "cap": None,
     }  # fmt: skip
     explain_buffers(query("settle"), settle)
     baseline_settle = explain_buffers(query("settle"), settle)
@@ -414,7 +415,7 @@ def test_scale__the_settlement_of_a_slice_has_no_loop_over_its_siblings() -> Non
     and no count over a parent's slices (what a scan one by one would need)."""
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT prosrc FROM pg_proc WHERE proname IN ('dispatch_slice_settled', 'dispatch_settle_v2')"
+            "SELECT prosrc FROM pg_proc WHERE proname IN ('dispatch_slice_settled', 'dispatch_settle_v3')"
         )
         bodies = [row[0] for row in cursor.fetchall()]
     assert len(bodies) == 2

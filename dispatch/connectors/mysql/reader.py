@@ -11,7 +11,7 @@ import pymysql
 from pymysql.constants import FIELD_TYPE, FLAG
 
 from dispatch.connectors import incremental
-from dispatch.connectors.base import Batch, Column, PermanentError, TransferContext
+from dispatch.connectors.base import Batch, Column, PermanentError, TransferContext, note_event
 from dispatch.connectors.mysql import types
 from dispatch.connectors.mysql.connect import (
     Interrupter,
@@ -134,6 +134,12 @@ class Reader:
         self._order = ""
         self._stream: Any = None
 
+    @property
+    def server_version(self) -> str | None:
+        """The server's version, for the attempt's event log."""
+        conn = getattr(self, "conn", None)
+        return None if conn is None else str(conn.get_server_info())
+
     def _relation(self, escaped: bool = False) -> str:
         """The table's or query's SELECT; `escaped` doubles its % signs, for a statement
         that also takes parameters."""
@@ -150,6 +156,7 @@ class Reader:
 
     def open(self) -> None:
         self.conn = connect(self.config, what="source connect", spec=self.spec)
+        note_event(self.ctx, "connected", "", side="source", server_version=self.server_version)
         with errors(self.secrets, "source"):
             info = session(self.conn, self.spec, read_only=True)
             self._interrupter.attach(info["thread_id"], self.conn)

@@ -4,6 +4,7 @@ the sink-side fence (and an incremental read's cursor), as the `postgresql` sink
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any
 
@@ -19,6 +20,7 @@ from dispatch.connectors.base import (
     TransferContext,
     TransientError,
     WriteResult,
+    note_event,
 )
 from dispatch.connectors.mysql import localinfile, types
 from dispatch.connectors.mysql.connect import (
@@ -90,6 +92,12 @@ class Writer:
         self._cursor_new: tuple[tuple[str, ...], list[str] | None] | None = None
         self.cursor_committed: incremental.CommittedCursor | None = None
 
+    @property
+    def server_version(self) -> str | None:
+        """The server's version, for the attempt's event log."""
+        conn = getattr(self, "conn", None)
+        return None if conn is None else str(conn.get_server_info())
+
     def _t(self, name: str) -> str:
         return table_sql(self.database, name)
 
@@ -99,6 +107,7 @@ class Writer:
     # -- set-up ----------------------------------------------------------------------------
     def open(self) -> None:
         self.conn = connect(self.config, what="sink connect", spec=self.spec, local_stream=True)
+        note_event(self.ctx, "connected", "", side="sink", server_version=self.server_version)
         with errors(self.secrets, "sink"):
             info = session(self.conn, self.spec, read_only=False)
             self._interrupter.attach(info["thread_id"], self.conn)
@@ -125,13 +134,18 @@ class Writer:
             cur.execute(CURSOR_DDL.format(t=self._t("dispatch_cursor")))
             self.conn.commit()
             cur.execute("START TRANSACTION")
-            # A locking read sees the newest committed fence (and holds it to COMMIT).
+            # A locking read sees the newest committed fence (and holds it to COMMIT); how
+            # long it waited for a rival's commit goes to the attempt's event log.
+            started = time.monotonic()
             cur.execute(
                 f"SELECT token, committed_at FROM {self._t('dispatch_fence')}"  # noqa: S608
                 " WHERE run_id = %s FOR UPDATE",
                 [str(fence.run_id)],
             )
             row = cur.fetchone()
+            note_event(
+                self.ctx, "lock_wait", "the sink's fence row", seconds=time.monotonic() - started
+            )
             if row is None:
                 cur.execute(
                     f"INSERT INTO {self._t('dispatch_fence')} (run_id, binding_id, token)"  # noqa: S608
@@ -155,6 +169,7 @@ class Writer:
                     [fence.token, _id(fence.binding_id), str(fence.run_id)],
                 )
             self.conn.commit()
+            note_event(self.ctx, "fence_raised", f"the sink's fence raised to token {fence.token}")
 
     def _target_columns(self) -> dict[str, str] | None:
         with self._cur() as cur:

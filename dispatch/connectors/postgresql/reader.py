@@ -16,7 +16,14 @@ from psycopg import pq, sql
 
 from dispatch.connectors import columns as column_spec
 from dispatch.connectors import incremental, sqlsafety
-from dispatch.connectors.base import SLICE_RANGE, Batch, Column, PermanentError, TransferContext
+from dispatch.connectors.base import (
+    SLICE_RANGE,
+    Batch,
+    Column,
+    PermanentError,
+    TransferContext,
+    note_event,
+)
 from dispatch.connectors.postgresql import slices
 from dispatch.connectors.postgresql.cancel import _Canceller
 from dispatch.connectors.postgresql.connect import (
@@ -115,11 +122,17 @@ class _Reader:
         # transaction, so it cannot change anything.
         return sql.SQL(_strip_query(self.spec["query"]))  # type: ignore[arg-type]
 
+    @property
+    def server_version(self) -> str | None:
+        """The source server's version, for the attempt's event log."""
+        return None if self.conn is None else self.conn.info.parameter_status("server_version")
+
     def open(self) -> None:
         session = open_session(self.config, self.spec, what="source connect")
         self.conn = session.conn
         self._canceller.attach(self.conn)
         self._canceller.watch(session.pid)
+        note_event(self._ctx, "connected", "", side="source", server_version=self.server_version)
         with _errors(self.secrets, "source", self._canceller):
             if self.spec.get("query") and targets.query_sources_least_privilege():
                 _check_least_privilege(self.conn)

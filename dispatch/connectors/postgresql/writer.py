@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ from dispatch.connectors.base import (
     TransferContext,
     TransientError,
     WriteResult,
+    note_event,
 )
 from dispatch.connectors.postgresql.cancel import _Canceller
 from dispatch.connectors.postgresql.connect import (
@@ -118,12 +120,18 @@ class _Writer:
         self.mirror_deleted = 0
         self._marked = 0  # staged rows marked deleted
 
+    @property
+    def server_version(self) -> str | None:
+        """The sink server's version, for the attempt's event log."""
+        return None if self.conn is None else self.conn.info.parameter_status("server_version")
+
     # -- set-up --------------------------------------------------------------------------
     def open(self) -> None:
         session = open_session(self.config, self.spec, what="sink connect")
         self.conn = session.conn
         self._canceller.attach(self.conn)
         self._canceller.watch(session.pid)
+        note_event(self.ctx, "connected", "", side="sink", server_version=self.server_version)
         with _errors(self.secrets, "sink", self._canceller):
             schema, self.name = parse_table(self.spec["table"])
             self.schema = schema or session.schema
@@ -189,6 +197,9 @@ class _Writer:
                     sql.Identifier(RECEIPT_INDEX), _table_sql(self.schema, RECEIPT_TABLE)
                 ),
             )
+        # How long the fence's row lock was waited for (a rival attempt's data transaction
+        # holds it until its COMMIT), for the attempt's event log.
+        started = time.monotonic()
         with conn.transaction():
             # ON CONFLICT DO UPDATE re-evaluates its WHERE on the newest committed version
             # of the row (after waiting for a concurrent commit that holds it), so a commit
@@ -203,7 +214,13 @@ class _Writer:
                 ).format(f=self._fence_table),
                 [fence.run_id, fence.binding_id, fence.token],
             ).fetchone()
+            note_event(
+                self.ctx, "lock_wait", "the sink's fence row", seconds=time.monotonic() - started
+            )
             if raised is not None:
+                note_event(
+                    self.ctx, "fence_raised", f"the sink's fence raised to token {fence.token}"
+                )
                 return
             token, committed_at = conn.execute(
                 sql.SQL("SELECT token, committed_at FROM {} WHERE run_id = %s").format(

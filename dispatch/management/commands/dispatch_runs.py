@@ -5,6 +5,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from dispatch.core.db import one_line
 from dispatch.core.states import Status
 from dispatch.http import reads
 from dispatch.http.problems import Problem
@@ -104,3 +105,8 @@ class Command(BaseCommand):
             first = next((x.strip() for x in a.error.splitlines() if x.strip()), "")
             if first:
                 self.stdout.write(f"  error: {first}")
+            for e in a.events:
+                # One line each (the message is stored sanitized; escaped for a terminal).
+                self.stdout.write(f"  {_when(e.at)}  {e.kind:<12}  {one_line(e.message)}")
+            if a.events_dropped:
+                self.stdout.write(f"  {a.events_dropped} events dropped")

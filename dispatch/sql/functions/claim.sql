@@ -7,7 +7,7 @@
 -- clock_timestamp().
 
 -- What a claim returns, one row per claimed attempt (also the row type of
--- dispatch_settle_claim_v5's claimed column; created once, kept across snapshots).
+-- dispatch_settle_claim_v6's claimed column; created once, kept across snapshots).
 DO $$
 BEGIN
     IF to_regtype('dispatch_claimed_v5') IS NULL THEN

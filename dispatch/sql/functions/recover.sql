@@ -7,7 +7,7 @@
 -- p_skip are not picked (the caller passes those that already failed in this round, so a
 -- failing row cannot fill every batch).
 -- Locks run + attempt FOR UPDATE SKIP LOCKED (a pass never waits for another pass, a
--- completion or an operator); dispatch_settle_v2 re-checks status, token and expiry in
+-- completion or an operator); dispatch_settle_v3 re-checks status, token and expiry in
 -- the statement that changes the row.
 CREATE OR REPLACE FUNCTION dispatch_recover_v2(p_limit integer, p_skip uuid[] DEFAULT '{}')
 RETURNS TABLE (attempt_id uuid, run_id uuid, number integer, outcome text, error text)
@@ -31,8 +31,8 @@ BEGIN
         number := c.number;
         error := NULL;
         BEGIN
-            outcome := dispatch_settle_v2(c.id, c.lease_token, 'EXPIRED', 'LEASE_EXPIRED',
-                                          NULL, NULL, NULL);
+            outcome := dispatch_settle_v3(c.id, c.lease_token, 'EXPIRED', 'LEASE_EXPIRED',
+                                          NULL, NULL, NULL, NULL, NULL, NULL);
         EXCEPTION WHEN OTHERS THEN
             outcome := NULL;
             error := SQLSTATE || ': ' || SQLERRM;

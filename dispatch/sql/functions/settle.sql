@@ -14,15 +14,19 @@
 -- lease by clock_timestamp()); otherwise nothing changes and NULL is returned, so a
 -- completion, a cancel or a recovery that landed first always wins.
 -- p_outcome: SUCCEEDED | CANCELLED | ERROR | PERMANENT | EXPIRED | RELEASE.
+-- p_events, p_lost, p_cap: the worker's events not yet written, those it dropped itself,
+-- and the cap (events.sql), logged under the same guard; then a `settled` event with the
+-- new status, which the cap does not count (a recovery passes no events and no cap).
 -- Returns the attempt's new status.
 --
 -- The time arithmetic is clamped in SQL: a retry's delay is at most MAX_DELAY_SECONDS =
 -- 31,622,400 (366 days) whatever the job's backoff settings say (model validators and
 -- CHECK constraints bound them too; this is the last line, so a bad row cannot make a
 -- settlement raise "timestamp out of range").
-CREATE OR REPLACE FUNCTION dispatch_settle_v2(
+CREATE OR REPLACE FUNCTION dispatch_settle_v3(
     p_attempt uuid, p_token bigint, p_outcome text, p_reason text, p_error text,
-    p_rows_read bigint, p_rows_written bigint
+    p_rows_read bigint, p_rows_written bigint, p_events jsonb, p_lost integer,
+    p_cap integer
 ) RETURNS text LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_run dispatch_run%ROWTYPE;
@@ -35,6 +39,9 @@ DECLARE
     v_used integer;
     v_delay double precision := 0;
     v_origin text;
+    v_buffered integer := CASE WHEN jsonb_typeof(p_events) = 'array'
+                               THEN jsonb_array_length(p_events) ELSE 0 END;
+    v_offered integer;
 BEGIN
     SELECT * INTO v_run FROM dispatch_run
      WHERE id = (SELECT a.run_id FROM dispatch_attempt a WHERE a.id = p_attempt)
@@ -89,15 +96,33 @@ BEGIN
             v_status := 'FAILED';
         END IF;
     ELSE
-        RAISE EXCEPTION 'dispatch_settle_v2: unknown outcome %', p_outcome;
+        RAISE EXCEPTION 'dispatch_settle_v3: unknown outcome %', p_outcome;
     END IF;
 
+    v_offered := v_buffered + greatest(coalesce(p_lost, 0), 0);
     UPDATE dispatch_attempt
        SET status = v_status, reason = v_reason, error = coalesce(p_error, error),
            finished_at = v_now, source_snapshot = NULL, sink_snapshot = NULL,
            rows_read = coalesce(p_rows_read, rows_read),
-           rows_written = coalesce(p_rows_written, rows_written)
+           rows_written = coalesce(p_rows_written, rows_written),
+           events_seen = events_seen + v_offered,
+           events_dropped = events_dropped + v_offered - v_buffered
+               + dispatch_attempt_log_dropped(events_seen, v_buffered, coalesce(p_cap, 0))
      WHERE id = p_attempt;
+    IF v_buffered > 0 THEN
+        PERFORM dispatch_attempt_log(p_attempt, v_att.events_seen, p_events,
+                                     coalesce(p_cap, 0));
+    END IF;
+    -- The settlement's own event, numbered after every event offered (kept or dropped).
+    PERFORM dispatch_attempt_log(
+        p_attempt, v_att.events_seen + v_offered,
+        jsonb_build_array(jsonb_build_object(
+            'kind', 'settled',
+            'message', CASE WHEN p_outcome = 'EXPIRED' THEN 'lease expired: ' ELSE '' END
+                       || v_status || coalesce(' (' || v_reason || ')', ''),
+            'data', jsonb_build_object('status', v_status, 'reason', v_reason,
+                                       'outcome', p_outcome))),
+        v_att.events_seen + v_offered + 1);
 
     IF v_status = 'RETRY_SCHEDULED' THEN
         INSERT INTO dispatch_attempt (
@@ -121,30 +146,31 @@ BEGIN
 END
 $$;
 
--- Settle one attempt (dispatch_settle_v2: guarded by status + token) and claim up to
+-- Settle one attempt (dispatch_settle_v3: guarded by status + token) and claim up to
 -- p_limit more for p_worker (dispatch_claim_v5, generic), in one transaction and one
 -- round trip. Returns the settlement's status (NULL: the lease was lost) on every row,
 -- with one row per claimed attempt, or one row with no attempt when nothing was claimed.
 -- The claim runs in a subtransaction: an error in it is rolled back alone, the
 -- settlement stands and nothing is claimed. A lost lease claims nothing: the caller is no
 -- longer sure of its slot's state.
-CREATE OR REPLACE FUNCTION dispatch_settle_claim_v5(
+CREATE OR REPLACE FUNCTION dispatch_settle_claim_v6(
     p_attempt uuid, p_token bigint, p_outcome text, p_reason text, p_error text,
-    p_rows_read bigint, p_rows_written bigint, p_worker text, p_limit integer
+    p_rows_read bigint, p_rows_written bigint, p_events jsonb, p_lost integer,
+    p_cap integer, p_worker text, p_limit integer
 ) RETURNS TABLE (settled text, claimed dispatch_claimed_v5) LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_claimed dispatch_claimed_v5[] := '{}';
     v_status text;
 BEGIN
-    v_status := dispatch_settle_v2(p_attempt, p_token, p_outcome, p_reason, p_error,
-                                   p_rows_read, p_rows_written);
+    v_status := dispatch_settle_v3(p_attempt, p_token, p_outcome, p_reason, p_error,
+                                   p_rows_read, p_rows_written, p_events, p_lost, p_cap);
     IF v_status IS NOT NULL AND p_limit > 0 THEN
         BEGIN
             SELECT coalesce(array_agg(x), '{}') INTO v_claimed
               FROM dispatch_claim_v5(p_worker, NULL, p_limit, true) x;
         EXCEPTION WHEN OTHERS THEN
             v_claimed := '{}';
-            RAISE WARNING 'dispatch_settle_claim_v5: the claim after a settlement failed: %',
+            RAISE WARNING 'dispatch_settle_claim_v6: the claim after a settlement failed: %',
                 SQLERRM;
         END;
     END IF;

@@ -7,7 +7,7 @@
 -- the planning attempt's status and token; the run becomes WAITING (not RUNNING: it holds
 -- no capacity, and it has no live attempt, so no claim picks it). Each slice run is an
 -- ordinary run (parent_id, slice_number): claimed, heartbeated, fenced, recovered and
--- retried like any other. Its terminal settlement (dispatch_settle_v2 calls
+-- retried like any other. Its terminal settlement (dispatch_settle_v3 calls
 -- dispatch_slice_settled) updates the plan's counters and settles the parent in the same
 -- transaction, and starts the next slice: no scan of the siblings. A slice that has not
 -- started is a plan row, which no claim reads.
@@ -95,7 +95,7 @@ $$;
 -- computed on the source (p_lowers[i], p_uppers[i]: the i-th range, NULL = open) and the
 -- specs its slices run with, starts the first max_slices_in_flight slices, ends
 -- SUCCEEDED / SLICES_PLANNED, and its run becomes WAITING: all in this one transaction.
--- Locks the run, then the attempt (as dispatch_settle_v2 does). Returns the run's new
+-- Locks the run, then the attempt (as dispatch_settle_v3 does). Returns the run's new
 -- status and the started slice runs; NULL status: the attempt is no longer the caller's
 -- (nothing changed). A run with a cancel request is cancelled instead (no plan).
 CREATE OR REPLACE FUNCTION dispatch_slices_plan_v1(
@@ -129,8 +129,8 @@ BEGIN
         RETURN;
     END IF;
     IF v_run.cancel_requested_at IS NOT NULL THEN
-        status := dispatch_settle_v2(p_attempt, p_token, 'CANCELLED', 'CANCELLED_BY_OPERATOR',
-                                     NULL, 0, 0);
+        status := dispatch_settle_v3(p_attempt, p_token, 'CANCELLED', 'CANCELLED_BY_OPERATOR',
+                                     NULL, 0, 0, NULL, NULL, NULL);
         started := '{}';
         RETURN NEXT;
         RETURN;
@@ -167,7 +167,7 @@ END
 $$;
 
 -- A slice run ended (p_status SUCCEEDED, FAILED or CANCELLED), called by
--- dispatch_settle_v2 in its transaction, which holds the slice run and its attempt. Locks
+-- dispatch_settle_v3 in its transaction, which holds the slice run and its attempt. Locks
 -- the parent run, then its plan row; updates the counters (no scan of the siblings) and
 -- settles the parent:
 --   * every slice SUCCEEDED -> the parent SUCCEEDED;
