@@ -26,11 +26,9 @@ from dispatch.connectors.mysql.connect import (
     _secrets,
     connect,
     errors,
-    ident,
-    parse_table,
     session,
-    table_sql,
 )
+from dispatch.connectors.mysql.spec import ident, parse_table, table_sql
 
 # The server refuses LOAD DATA LOCAL INFILE: MySQL 8's `local_infile` is OFF by default
 # (3948), MariaDB's can be turned off (4166), older servers' 1148.
