@@ -153,6 +153,8 @@ class MySQLType:
             utc = b == "timestamp"
 
             def date(v: Any) -> Any:
+                if type(v) is dt.datetime:  # the common case first
+                    return v.replace(tzinfo=dt.UTC) if utc else v
                 if isinstance(v, str | bytes):
                     text = v.decode() if isinstance(v, bytes) else v
                     raise PermanentError(
