@@ -449,12 +449,6 @@ def _field(v: Any) -> bytes:
     return _escape(str(v).encode("utf-8"))
 
 
-def load_data(rows: list[list[Any]]) -> bytes:
-    """Rows as LOAD DATA's default format: tab-separated, newline-terminated, backslash
-    escapes, \\N for NULL."""
-    return b"".join(b"\t".join([_field(v) for v in row]) + b"\n" for row in rows)
-
-
 def _load_int(v: Any) -> bytes:
     return b"%d" % v
 
@@ -505,7 +499,8 @@ def loader(mysql_type: MySQLType, column: str) -> Callable[[Any], bytes]:
 
 
 def load_rows(loaders: list[Callable[[Any], bytes]], rows: list[Any]) -> bytes:
-    """`rows` checked and in LOAD DATA's default format (`load_data`'s bytes)."""
+    """`rows` checked, in LOAD DATA's default format: tab-separated, newline-terminated,
+    backslash escapes, \\N for NULL."""
     return b"".join(
         [b"\t".join([f(v) for f, v in zip(loaders, row, strict=True)]) + b"\n" for row in rows]
     )
