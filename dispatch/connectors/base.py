@@ -140,6 +140,12 @@ class Writer(Protocol):
 # runner then skips the transfer and calls `commit()` at once.
 
 
+# A writer with `json_text = True` takes a JSON value as its text: the runner then sets
+# `json_text = True` on a reader that has the attribute, which hands json values as their
+# text instead of parsed objects (the `postgresql` source; the `mysql` sink sends text
+# anyway, so nothing is parsed and dumped again).
+
+
 # A sink connector with `open_before_columns = True` may be opened (`open_writer`) with the
 # columns list still empty: the runner fills that same list once the source is open,
 # before the writer's first use, so both sides connect at the same time.

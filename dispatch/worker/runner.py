@@ -971,6 +971,8 @@ class Runner:
                 ctx.progress(rows_read=rows)
                 ctx.progress(rows_written=writer.write_copy(data, rows))
             return
+        if getattr(writer, "json_text", False) and hasattr(reader, "json_text"):
+            reader.json_text = True
         for batch in reader.batches():
             ctx.progress(rows_read=len(batch))
             ctx.progress(rows_written=writer.write(batch))

@@ -184,6 +184,26 @@ def test_copy__100000_rows_each_way(mydb: MyDB, pg: ScratchDB) -> None:
     ]
 
 
+def test_json__goes_as_postgresql_text_never_parsed(mydb: MyDB, pg: ScratchDB) -> None:
+    """The sink asks for JSON as text (`json_text`), so a number no float holds arrives
+    digit for digit, as PostgreSQL writes it; both json and jsonb, loaded and inserted."""
+    pg.execute(
+        "CREATE TABLE j AS SELECT 1 AS id,"
+        ' \'{"n": 12345678901234567890.123456789, "s": "😀"}\'::jsonb AS jb,'
+        " '[1e400,  0.10]'::json AS js"
+    )
+    texts = pg.execute("SELECT jb::text, js::text FROM j")
+    mydb.execute("CREATE TABLE j (id INT, jb LONGTEXT, js JSON)")  # MariaDB: JSON is text
+    run_transfer(PG, pg.config, {"table": "j"}, MY, mydb.config, {"table": "j"})
+    assert mydb.execute("SELECT jb, js FROM j") == texts
+    mydb.execute("CREATE TABLE ju (id INT PRIMARY KEY, jb LONGTEXT, js JSON)")
+    run_transfer(  # upsert: INSERTs
+        PG, pg.config, {"table": "j"}, MY, mydb.config,
+        {"table": "ju", "mode": "upsert", "key": ["id"]},
+    )  # fmt: skip
+    assert mydb.execute("SELECT jb, js FROM ju") == texts
+
+
 def test_sink_modes__replace_and_upsert(mydb: MyDB, pg: ScratchDB) -> None:
     mydb.execute("CREATE TABLE m (id INT PRIMARY KEY, v VARCHAR(10), other INT DEFAULT 7)")
     mydb.execute("INSERT INTO m VALUES (1, 'old', 1), (9, 'gone', 9)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ValidationError
 
@@ -25,25 +25,39 @@ from dispatch.connectors.base import (
     require_object,
     server_config,
 )
-from dispatch.connectors.mysql.connect import (
+from dispatch.connectors.mysql.spec import (
     DEFAULT_LOCK_TIMEOUT_SECONDS,
     DEFAULT_STATEMENT_TIMEOUT_SECONDS,
     TLS_MODES,
-    _secrets,
-    connect,
-    errors,
     parse_table,
     policy_errors,
-    session,
+    strip_query,
     timeouts,
 )
-from dispatch.connectors.mysql.reader import Reader, strip_query
-from dispatch.connectors.mysql.writer import Writer, set_committed
 
 # The same modes as the `postgresql` sink, with the same meanings.
 from dispatch.connectors.postgresql.writer import SINK_MODES
 
+if TYPE_CHECKING:
+    from dispatch.connectors.mysql.reader import Reader
+    from dispatch.connectors.mysql.writer import Writer
+
 __all__ = ["MySQLConnector", "Reader", "Writer"]
+
+
+def __getattr__(name: str) -> Any:
+    # The driver's modules load on first use (a connection, `Reader`, `Writer`), not when
+    # the registry lists the kind: a worker that never moves MySQL data never imports
+    # PyMySQL.
+    if name == "Reader":
+        from dispatch.connectors.mysql.reader import Reader
+
+        return Reader
+    if name == "Writer":
+        from dispatch.connectors.mysql.writer import Writer
+
+        return Writer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class MySQLConnector(Connector):
@@ -162,6 +176,8 @@ class MySQLConnector(Connector):
 
     @classmethod
     def test_connection(cls, config: dict[str, Any]) -> None:
+        from dispatch.connectors.mysql.connect import _secrets, connect, errors
+
         conn = connect(config, what="test connection")
         try:
             with errors(_secrets(config), "test connection"), conn.cursor() as cur:
@@ -180,6 +196,9 @@ class MySQLConnector(Connector):
         *,
         after_version: int = 0,
     ) -> incremental.CommittedCursor:
+        from dispatch.connectors.mysql.connect import _secrets, connect, errors, session
+        from dispatch.connectors.mysql.writer import set_committed
+
         conn = connect(config, what="sink connect")
         try:
             with errors(_secrets(config), "sink cursor"):
@@ -205,6 +224,8 @@ class MySQLConnector(Connector):
     def open_reader(
         cls, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext
     ) -> Iterator[Any]:
+        from dispatch.connectors.mysql.reader import Reader
+
         reader = Reader(config, spec, ctx)
         try:
             reader.open()
@@ -221,6 +242,8 @@ class MySQLConnector(Connector):
         ctx: TransferContext,
         columns: list[Column],
     ) -> Iterator[Any]:
+        from dispatch.connectors.mysql.writer import Writer
+
         writer = Writer(config, spec, ctx, columns)
         try:
             writer.open()

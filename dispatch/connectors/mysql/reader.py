@@ -18,11 +18,9 @@ from dispatch.connectors.mysql.connect import (
     _secrets,
     connect,
     errors,
-    ident,
-    parse_table,
     session,
-    table_sql,
 )
+from dispatch.connectors.mysql.spec import ident, parse_table, strip_query, table_sql
 from dispatch.security import targets
 
 BATCH_ROWS = 5000
@@ -53,10 +51,6 @@ def check_least_privilege(conn: Any) -> None:
             "query source needs a least-privilege user (SELECT only; "
             "DISPATCH_QUERY_SOURCE_LEAST_PRIVILEGE)"
         )
-
-
-def strip_query(query: str) -> str:
-    return query.strip().rstrip(";").strip()
 
 
 def _wire_type(field: Any) -> str:

@@ -47,6 +47,11 @@ _INT_RANGE = {
 _TEXT = {"tinytext", "text", "mediumtext", "longtext"}
 _BLOB = {"tinyblob", "blob", "mediumblob", "longblob"}
 _TEXT_BYTES = {"tinytext": 255, "text": 65535, "mediumtext": 2**24 - 1, "longtext": 2**32 - 1}
+# TIMESTAMP's range, [start, end).
+_TIMESTAMP_START = dt.datetime(1970, 1, 1, 0, 0, 1)
+_TIMESTAMP_END = dt.datetime(2038, 1, 19, 3, 14, 8)
+# A lone surrogate (no UTF-8 form): found by the regex engine, not a loop per character.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _SPATIAL = {
     "geometry",
     "point",
@@ -148,6 +153,8 @@ class MySQLType:
             utc = b == "timestamp"
 
             def date(v: Any) -> Any:
+                if type(v) is dt.datetime:  # the common case first
+                    return v.replace(tzinfo=dt.UTC) if utc else v
                 if isinstance(v, str | bytes):
                     text = v.decode() if isinstance(v, bytes) else v
                     raise PermanentError(
@@ -203,17 +210,19 @@ class MySQLType:
             if len(n) == 1:
                 s = 0
 
+            exact = Context(prec=200)
+            quantum = Decimal(1).scaleb(-s)
+
             def decimal(v: Any) -> Any:
                 if v is None:
                     return None
                 try:
-                    d = Decimal(str(v))
+                    d = v if type(v) is Decimal else Decimal(str(v))
                 except InvalidOperation:
                     raise refuse(v, "is not a number") from None
                 if not d.is_finite():
                     raise refuse(v, "is not finite")
-                exact = Context(prec=200)
-                q = d.quantize(Decimal(1).scaleb(-s), context=exact)
+                q = d.quantize(quantum, context=exact)
                 if q.compare(d, context=exact) != 0:
                     raise refuse(v, f"has more than {s} decimal places")
                 if q.adjusted() >= p - s:
@@ -257,25 +266,33 @@ class MySQLType:
         if b in ("char", "varchar") or b in _TEXT or b in ("enum", "set"):
             limit = n[0] if n and b in ("char", "varchar") else None
             labels = set(self.labels()) if b in ("enum", "set") else None
+            is_set = b == "set"
+            no_nul = b not in _TEXT and b not in ("char", "varchar")
+            max_bytes = _TEXT_BYTES[b] if b in _TEXT else None
 
             def text(v: Any) -> Any:
                 if v is None:
                     return None
-                if b == "set" and isinstance(v, list | tuple | set):
+                if is_set and isinstance(v, list | tuple | set):
                     parts = [str(x) for x in v]
                     s = ",".join(parts)
                 else:
-                    s = _text(v)
-                    parts = [x for x in s.split(",") if x] if b == "set" else [s]
-                if "\x00" in s and b not in _TEXT and b not in ("char", "varchar"):
+                    s = v if type(v) is str else _text(v)
+                    parts = [x for x in s.split(",") if x] if is_set else [s]
+                if no_nul and "\x00" in s:
                     raise refuse(v, "holds a NUL character")
                 if limit is not None and len(s) > limit:
                     raise refuse(v, f"is longer than {limit} characters")
-                if b in _TEXT and len(s.encode("utf-8", "surrogatepass")) > _TEXT_BYTES[b]:
-                    raise refuse(v, f"is longer than {_TEXT_BYTES[b]} bytes")
+                # A character is at most 4 bytes in UTF-8: only a long text is encoded.
+                if (
+                    max_bytes is not None
+                    and len(s) * 4 > max_bytes
+                    and len(s.encode("utf-8", "surrogatepass")) > max_bytes
+                ):
+                    raise refuse(v, f"is longer than {max_bytes} bytes")
                 if labels is not None and any(x not in labels for x in parts):
                     raise refuse(v, "is not one of the column's values")
-                if any(0xD800 <= ord(c) <= 0xDFFF for c in s):
+                if _SURROGATE.search(s) is not None:
                     raise refuse(v, "is not valid Unicode")
                 return s
 
@@ -310,6 +327,9 @@ class MySQLType:
 
             return as_json
         if b in ("date", "datetime", "timestamp"):
+            is_date, is_timestamp = b == "date", b == "timestamp"
+            lowest = 1970 if is_timestamp else 1000
+            highest = 2038 if is_timestamp else 9999
 
             def moment(v: Any) -> Any:
                 if v is None:
@@ -326,23 +346,23 @@ class MySQLType:
                 if not isinstance(v, dt.date):
                     raise refuse(v, "is not a date/time")
                 if isinstance(v, dt.datetime) and v.tzinfo is not None:
-                    v = v.astimezone(dt.UTC).replace(tzinfo=None)
-                if b == "date" and isinstance(v, dt.datetime):
+                    # UTC, naive: the offset taken off (astimezone's work, without its
+                    # time-zone object).
+                    offset = v.utcoffset()
+                    v = (v - offset if offset is not None else v.astimezone(dt.UTC)).replace(
+                        tzinfo=None
+                    )
+                if is_date and isinstance(v, dt.datetime):
                     if v.time() != dt.time(0):
                         raise refuse(v, "has a time of day (the column is a DATE)")
                     v = v.date()
                 year = v.year
-                lowest = 1970 if b == "timestamp" else 1000
-                highest = 2038 if b == "timestamp" else 9999
                 if not lowest <= year <= highest:
                     raise refuse(v, f"is outside the years {lowest}..{highest}")
                 if (
-                    b == "timestamp"
+                    is_timestamp
                     and isinstance(v, dt.datetime)
-                    and (
-                        v >= dt.datetime(2038, 1, 19, 3, 14, 8)
-                        or v < dt.datetime(1970, 1, 1, 0, 0, 1)
-                    )
+                    and (v >= _TIMESTAMP_END or v < _TIMESTAMP_START)
                 ):
                     raise refuse(v, "is outside TIMESTAMP's range")
                 return v
@@ -429,10 +449,61 @@ def _field(v: Any) -> bytes:
     return _escape(str(v).encode("utf-8"))
 
 
-def load_data(rows: list[list[Any]]) -> bytes:
-    """Rows as LOAD DATA's default format: tab-separated, newline-terminated, backslash
-    escapes, \\N for NULL."""
-    return b"".join(b"\t".join([_field(v) for v in row]) + b"\n" for row in rows)
+def _load_int(v: Any) -> bytes:
+    return b"%d" % v
+
+
+def _load_decimal(v: Any) -> bytes:
+    return format(v, "f").encode()
+
+
+def _load_float(v: Any) -> bytes:
+    return repr(v).encode()
+
+
+def _load_text(v: Any) -> bytes:
+    return _escape(v.encode("utf-8"))
+
+
+def _load_moment(v: Any) -> bytes:
+    return (v.isoformat(sep=" ") if isinstance(v, dt.datetime) else v.isoformat()).encode()
+
+
+# What `check` returns for a column of each base type is of one Python type (an int for
+# the integers, a str for the texts, ...), so its LOAD DATA text is made without asking;
+# any other base goes through `_field`.
+_LOADERS: dict[str, Callable[[Any], bytes]] = {
+    **dict.fromkeys(_INT_RANGE, _load_int),
+    "year": _load_int,
+    "decimal": _load_decimal,
+    "float": _load_float,
+    "double": _load_float,
+    **dict.fromkeys(("char", "varchar", "enum", "set", *_TEXT), _load_text),
+    **dict.fromkeys(("date", "datetime", "timestamp"), _load_moment),
+}
+
+
+def loader(mysql_type: MySQLType, column: str) -> Callable[[Any], bytes]:
+    """The column's `check` and the checked value's LOAD DATA text (`_field`'s) in one
+    function: what a loaded batch does per value."""
+    check = mysql_type.check(column)
+    encode = _LOADERS.get(mysql_type.base, _field)
+
+    def load(v: Any) -> bytes:
+        if v is None:
+            return b"\\N"
+        checked = check(v)
+        return b"\\N" if checked is None else encode(checked)
+
+    return load
+
+
+def load_rows(loaders: list[Callable[[Any], bytes]], rows: list[Any]) -> bytes:
+    """`rows` checked, in LOAD DATA's default format: tab-separated, newline-terminated,
+    backslash escapes, \\N for NULL."""
+    return b"".join(
+        [b"\t".join([f(v) for f, v in zip(loaders, row, strict=True)]) + b"\n" for row in rows]
+    )
 
 
 def _text(v: Any) -> str:

@@ -13,6 +13,8 @@ from typing import Any
 
 import psycopg
 from psycopg import pq, sql
+from psycopg.adapt import Buffer, Loader
+from psycopg.types.string import TextBinaryLoader, TextLoader
 
 from dispatch.connectors import columns as column_spec
 from dispatch.connectors import incremental, sqlsafety
@@ -67,6 +69,25 @@ def _check_least_privilege(conn: psycopg.Connection[Any]) -> None:
         )
 
 
+class _JsonbTextBinaryLoader(Loader):
+    """A binary jsonb value as its text (the format's version byte, then the text)."""
+
+    format = pq.Format.BINARY
+
+    def load(self, data: Buffer) -> str:
+        if data and data[0] != 1:
+            raise psycopg.DataError(f"unknown jsonb binary format: {data[0]}")
+        return str(data[1:], "utf-8")
+
+
+def _json_as_text(adapters: Any) -> None:
+    """json and jsonb values loaded as PostgreSQL's own text of them, not parsed."""
+    for name in ("json", "jsonb"):
+        adapters.register_loader(name, TextLoader)
+    adapters.register_loader("json", TextBinaryLoader)
+    adapters.register_loader("jsonb", _JsonbTextBinaryLoader)
+
+
 def _strip_query(query: str) -> str:
     return query.strip().rstrip(";").strip()
 
@@ -74,6 +95,10 @@ def _strip_query(query: str) -> str:
 class _Reader:
     """One connection, one REPEATABLE READ READ ONLY transaction: every row comes from the
     same snapshot, and a query that tries to write fails (permanently)."""
+
+    # Set by the runner when the sink takes JSON as text (base.py, `json_text`): json and
+    # jsonb values come as PostgreSQL's text of them instead of parsed objects.
+    json_text = False
 
     def __init__(
         self, config: dict[str, Any], spec: dict[str, Any], ctx: TransferContext | None = None
@@ -332,6 +357,8 @@ class _Reader:
         keyed_hash = column_spec.keyed_hash
         with _errors(self.secrets, "source read", self._canceller):
             cur = self.conn.cursor()
+            if self.json_text:
+                _json_as_text(cur.adapters)  # the cursor's own map: the connection's stays
             with cur.copy(self._copy_sql("binary" if binary else "text")) as copy:
                 copy.set_types(oids)
                 batch: Batch = []
