@@ -202,6 +202,24 @@ def alert_retention_days() -> float:
     return float(getattr(settings, "DISPATCH_ALERT_RETENTION_DAYS", 90.0))
 
 
+def bulk_batch() -> int:
+    """Rows one batch of a bulk operation handles, in one transaction (their row locks
+    are held to its commit)."""
+    return int(getattr(settings, "DISPATCH_BULK_BATCH", 200))
+
+
+def bulk_batches_per_tick() -> int:
+    """Batches of bulk operations one maintenance tick works at most (the other tasks
+    wait for them)."""
+    return int(getattr(settings, "DISPATCH_BULK_BATCHES_PER_TICK", 10))
+
+
+def bulk_interval() -> float:
+    """Seconds between a worker's looks for bulk operations to work when it found some;
+    twice as often when it found none it could take."""
+    return float(getattr(settings, "DISPATCH_BULK_INTERVAL", 1.0))
+
+
 # --- operations: alerts and auto-disable (docs/operations.md) ------------------------------
 
 

@@ -1,6 +1,6 @@
 """The maintenance loop every worker runs in a background thread (`runworker`, unless
 `DISPATCH_MAINTENANCE` is off): retention at a low rate, the health scan (alerts and
-auto-disable) and the alert outbox's drain.
+auto-disable), the alert outbox's drain and the batches of bulk operations.
 
 No leader: each task is idempotent and gated by a conditional update on
 `dispatch_opsstate` (see `dispatch.ops.retention.begin_pass`), so with any number of workers
@@ -20,7 +20,7 @@ from django.db import connection
 
 from dispatch.core import conf
 from dispatch.core.db import DB_ERRORS
-from dispatch.ops import retention
+from dispatch.ops import bulk, retention
 from dispatch.worker.log import db_error
 
 log = logging.getLogger("dispatch.maintenance")
@@ -45,6 +45,9 @@ def _health() -> object:
 TASKS: list[tuple[str, Callable[[], object], Callable[[], float]]] = [
     ("retention", retention.maybe_prune, conf.retention_interval),
     ("health", _health, conf.health_interval),
+    # Gated by a row lock instead (FOR UPDATE SKIP LOCKED on the operation): each worker
+    # works a different operation, or none.
+    ("bulk", bulk.work, conf.bulk_interval),
 ]
 
 

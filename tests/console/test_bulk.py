@@ -1,0 +1,269 @@
+"""Bulk operations: the request from a list's filter, the batches of the maintenance loop
+(called directly here; tests/worker/test_bulk_processes.py runs them in worker processes),
+skipped rows, cancel, permissions and filters that do not validate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.contrib.admin.models import LogEntry
+from django.contrib.auth.models import Permission, User
+from django.contrib.messages import get_messages
+from django.test import Client
+from django.urls import reverse
+
+from dispatch.console import admin as console_admin
+from dispatch.core.states import Origin, Status
+from dispatch.models import Attempt, BulkOperation, BulkSkip, BulkStatus, JobBinding, Run
+from dispatch.ops import bulk, maintenance
+from tests.support.bulk import make_runs
+from tests.support.factories import BindingFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def staff(*codenames: str, username: str = "operator") -> tuple[User, Client]:
+    user = User.objects.create_user(username, password="pw", is_staff=True)
+    user.user_permissions.set(
+        Permission.objects.filter(content_type__app_label="dispatch", codename__in=codenames)
+    )
+    client = Client()
+    client.force_login(user)
+    return user, client
+
+
+def bulk_url(model: str, action: str, query: str) -> str:
+    return reverse(f"admin:dispatch_{model}_bulk", args=[action]) + "?" + query
+
+
+def request_bulk(client: Client, model: str, action: str, query: str) -> Any:
+    return client.post(bulk_url(model, action, query), {"post": "yes"})
+
+
+def drain(size: int = 50) -> list[bulk.BatchReport]:
+    reports = []
+    while (report := bulk.work_batch(size)) is not None:
+        reports.append(report)
+    return reports
+
+
+def messages_of(response: Any) -> list[str]:
+    return [str(m) for m in get_messages(response.wsgi_request)]
+
+
+def test_bulk_retry__every_matching_run_once_with_its_history_and_a_link_from_the_list() -> None:
+    binding = BindingFactory(enabled=False)  # the retried runs wait: nothing claims them
+    make_runs(binding.pk, 120, Status.FAILED)
+    make_runs(binding.pk, 5, Status.SUCCEEDED)  # not matching the filter
+    user, client = staff("view_run", "retry_run", "view_bulkoperation")
+
+    listing = client.get(reverse("admin:dispatch_run_changelist") + "?status__exact=FAILED")
+    page = listing.content.decode()
+    assert "Apply to all 120 matching this filter" in page
+    assert bulk_url("run", "retry", "status__exact=FAILED").replace("&", "&amp;") in page
+    assert "Cancel…" not in page  # no cancel permission, no cancel link
+
+    confirm = client.get(bulk_url("run", "retry", "status__exact=FAILED"))
+    assert confirm.status_code == 200
+    assert "Retry all 120 runs matching" in confirm.content.decode()
+    assert not BulkOperation.objects.exists()  # a GET stores nothing
+
+    response = request_bulk(client, "run", "retry", "status__exact=FAILED")
+    op = BulkOperation.objects.get()
+    assert (op.model, op.action, op.filters, op.total) == (
+        "run",
+        "retry",
+        {"status__exact": "FAILED"},
+        120,
+    )
+    assert op.requested_by == user and op.status == BulkStatus.PENDING
+    assert response.status_code == 302
+    assert response["Location"].endswith("?status__exact=FAILED")
+    page_url = reverse("admin:dispatch_bulkoperation_change", args=[op.pk])
+    (message,) = messages_of(response)
+    assert f'href="{page_url}"' in message and "120 runs" in message
+
+    reports = drain(size=50)
+    assert [r.done for r in reports] == [50, 50, 20]
+    op.refresh_from_db()
+    assert (op.status, op.done, op.skipped, op.batches) == (BulkStatus.DONE, 120, 0, 3)
+    retried = Attempt.objects.filter(origin=Origin.OPERATOR, status=Status.PENDING)
+    assert retried.count() == 120 and retried.values("run").distinct().count() == 120
+    assert Run.objects.filter(status=Status.PENDING).count() == 120
+    entries = LogEntry.objects.filter(change_message__startswith=f"Retry (bulk operation {op.pk})")
+    assert entries.count() == 120 and entries.values("object_id").distinct().count() == 120
+    assert set(entries.values_list("user_id", flat=True)) == {user.pk}
+
+    shown = client.get(page_url).content.decode()
+    assert 'data-done="120" data-skipped="0" data-total="120"' in shown
+    assert "Finished: done." in shown
+
+
+def test_bulk_retry__a_run_not_retryable_is_skipped_with_its_reason() -> None:
+    binding = BindingFactory(enabled=False)
+    make_runs(binding.pk, 3, Status.FAILED)
+    make_runs(binding.pk, 2, Status.SUCCEEDED)
+    user, client = staff("view_run", "retry_run", "view_bulkoperation")
+    request_bulk(client, "run", "retry", f"binding__id__exact={binding.pk}")
+    drain()
+    op = BulkOperation.objects.get()
+    assert (op.status, op.total, op.done, op.skipped) == (BulkStatus.DONE, 5, 3, 2)
+    skips = list(BulkSkip.objects.filter(operation=op))
+    assert {s.code for s in skips} == {"NOT_RETRYABLE"}
+    assert all("SUCCEEDED" in s.message for s in skips)
+    refused = LogEntry.objects.filter(change_message__contains="refused (NOT_RETRYABLE)")
+    assert sorted(refused.values_list("object_id", flat=True)) == sorted(
+        str(s.object_id) for s in skips
+    )
+    shown = client.get(reverse("admin:dispatch_bulkoperation_change", args=[op.pk]))
+    assert "NOT_RETRYABLE" in shown.content.decode()
+    assert "only FAILED or CANCELLED runs can be retried" in shown.content.decode()
+
+
+def test_bulk_cancel__stops_before_the_next_batch_and_keeps_what_was_done() -> None:
+    binding = BindingFactory(enabled=False)
+    make_runs(binding.pk, 30, Status.PENDING)
+    user, client = staff("view_run", "cancel_run", "view_bulkoperation", "cancel_bulkoperation")
+    request_bulk(client, "run", "cancel", "status__exact=PENDING")
+    op = BulkOperation.objects.get()
+    first = bulk.work_batch(10)
+    assert first is not None and first.done == 10
+    assert Run.objects.filter(status=Status.CANCELLED).count() == 10
+
+    page = reverse("admin:dispatch_bulkoperation_change", args=[op.pk])
+    button = 'title="Stop the bulk operation before its next batch.'
+    assert button in client.get(page).content.decode()
+    cancel = reverse("admin:dispatch_bulkoperation_object_action", args=[op.pk, "cancel_bulk"])
+    client.post(cancel, {"post": "yes"})
+    op.refresh_from_db()
+    assert op.status == BulkStatus.CANCELLED and op.cancelled_by == "operator"
+    assert bulk.work_batch(10) is None  # nothing of it is worked any more
+    assert Run.objects.filter(status=Status.CANCELLED).count() == 10
+    assert Run.objects.filter(status=Status.PENDING).count() == 20
+    assert button not in client.get(page).content.decode()
+    # A second cancel is refused (the operation has finished).
+    client.post(cancel, {"post": "yes"})
+    assert (
+        LogEntry.objects.filter(change_message__contains="refused (ALREADY_FINISHED)").count() == 1
+    )
+
+
+def test_bulk_disable_and_enable__bindings_by_filter() -> None:
+    job = BindingFactory().job
+    mine = [BindingFactory(job=job) for _ in range(4)]
+    other = BindingFactory()
+    user, client = staff("view_jobbinding", "change_jobbinding")
+    listing = client.get(
+        reverse("admin:dispatch_jobbinding_changelist") + f"?job__id__exact={job.pk}"
+    )
+    assert "Apply to all 5 matching" in listing.content.decode()
+    request_bulk(client, "jobbinding", "disable", f"job__id__exact={job.pk}")
+    drain(size=2)
+    assert set(JobBinding.objects.filter(job=job).values_list("enabled", flat=True)) == {False}
+    assert JobBinding.objects.get(pk=other.pk).enabled
+
+    JobBinding.objects.filter(pk=mine[0].pk).update(enabled=True)
+    request_bulk(client, "jobbinding", "enable", f"enabled__exact=0&job__id__exact={job.pk}")
+    drain(size=2)
+    op = BulkOperation.objects.get(action="enable")
+    assert (op.status, op.total, op.done, op.skipped) == (BulkStatus.DONE, 4, 4, 0)
+    assert set(JobBinding.objects.filter(job=job).values_list("enabled", flat=True)) == {True}
+
+
+def test_bulk__a_user_without_the_permission_gets_nothing_applied() -> None:
+    binding = BindingFactory(enabled=False)
+    make_runs(binding.pk, 4, Status.FAILED)
+    user, client = staff("view_run")
+    assert (
+        "Apply to all"
+        not in client.get(
+            reverse("admin:dispatch_run_changelist") + "?status__exact=FAILED"
+        ).content.decode()
+    )
+    assert client.get(bulk_url("run", "retry", "status__exact=FAILED")).status_code == 403
+    assert request_bulk(client, "run", "retry", "status__exact=FAILED").status_code == 403
+    with pytest.raises(bulk.BulkRequestError, match="dispatch.retry_run"):
+        bulk.request("run", "retry", {"status__exact": ["FAILED"]}, user)
+    assert not BulkOperation.objects.exists()
+
+    # Granted at request time, withdrawn before the batches: refused, nothing applied.
+    retry = Permission.objects.get(codename="retry_run")
+    user.user_permissions.add(retry)
+    user = User.objects.get(pk=user.pk)
+    op = bulk.request("run", "retry", {"status__exact": ["FAILED"]}, user)
+    user.user_permissions.remove(retry)
+    report = bulk.work_batch(10)
+    assert report is not None and report.status == BulkStatus.REFUSED
+    op.refresh_from_db()
+    assert op.status == BulkStatus.REFUSED and "retry_run" in op.error and op.done == 0
+    assert Run.objects.filter(status=Status.FAILED).count() == 4
+    assert not Attempt.objects.filter(origin=Origin.OPERATOR).exists()
+    assert not LogEntry.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("query", "said"),
+    [
+        ("status__exact=BOGUS", "'status__exact' must be one of"),
+        ("binding__id__exact=12", "must be an id (a UUID)"),
+        ("requested_by=alice", "'requested_by' is not a filter a bulk operation accepts"),
+        ("q=nightly", "A search cannot select a bulk operation's rows"),
+        ("created_at__gte=yesterday", "must be a date"),
+        ("status__exact=FAILED&status__exact=PENDING", "has 2 values; one only"),
+    ],
+)
+def test_bulk__a_filter_that_does_not_validate_is_refused_with_a_clear_error(
+    query: str, said: str
+) -> None:
+    binding = BindingFactory(enabled=False)
+    make_runs(binding.pk, 2, Status.FAILED)
+    user, client = staff("view_run", "retry_run")
+    response = request_bulk(client, "run", "retry", query)
+    assert response.status_code == 302
+    (message,) = messages_of(response)
+    assert said in message, message
+    assert not BulkOperation.objects.exists()
+
+
+def test_bulk__list_order_and_page_are_no_part_of_the_filter() -> None:
+    BindingFactory(enabled=False)
+    assert bulk.validate_filters("run", {"o": ["-1"], "p": ["3"], "status__exact": ["FAILED"]}) == {
+        "status__exact": "FAILED"
+    }
+
+
+def test_bulk__the_date_filters_of_the_list_validate() -> None:
+    # What the run list's "Past 7 days" puts in its links.
+    user, client = staff("view_run", "retry_run")
+    page = client.get(reverse("admin:dispatch_run_changelist")).content.decode()
+    assert "created_at__gte=" in page
+    filters = bulk.validate_filters(
+        "run",
+        {"created_at__gte": ["2026-12-01 00:00:00+00:00"], "created_at__lt": ["2026-12-08"]},
+    )
+    assert bulk.matching("run", filters).count() == 0
+
+
+def test_bulk__each_action_is_the_one_at_a_time_actions_permission() -> None:
+    specs = {
+        ("run", "retry"): console_admin.RETRY,
+        ("run", "cancel"): console_admin.CANCEL,
+        ("run", "release"): console_admin.RELEASE_FROM_RUN,
+    }
+    for key, spec in specs.items():
+        assert bulk.ACTIONS[key].perm == spec.perm, key
+    for name in ("enable", "disable"):
+        assert bulk.ACTIONS[("jobbinding", name)].perm == "dispatch.change_jobbinding"
+    # Each list filter has its parameters among the accepted ones.
+    assert set(bulk.FILTERS) == set(bulk.MODELS)
+
+
+def test_maintenance_tick__works_pending_operations() -> None:
+    binding = BindingFactory(enabled=False)
+    make_runs(binding.pk, 3, Status.FAILED)
+    user, _ = staff("retry_run")
+    bulk.request("run", "retry", {"status__exact": ["FAILED"]}, user)
+    assert maintenance.run_once()["bulk"] == 3
+    assert BulkOperation.objects.get().status == BulkStatus.DONE
+    assert maintenance.run_once()["bulk"] is None
