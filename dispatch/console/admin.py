@@ -1520,7 +1520,7 @@ class BulkOperationAdmin(HistoryAdmin):
     """A bulk operation's page: its status, progress, skipped rows with their reasons and
     a cancel button (docs/console.md, "Bulk operations")."""
 
-    list_display = ["id", "summary", "status", "progress", "requested_by_name", "created_at"]
+    list_display = ["id", "summary", "status", "progress", "requester", "created_at"]
     list_filter = ["status", "model", "action"]
     ordering = ["-id"]
     fieldsets = [
@@ -1533,7 +1533,7 @@ class BulkOperationAdmin(HistoryAdmin):
                     "filter_text",
                     "status",
                     "progress",
-                    "requested_by_name",
+                    "requester",
                     "created_at",
                     "updated_at",
                     "finished_at",
@@ -1556,6 +1556,10 @@ class BulkOperationAdmin(HistoryAdmin):
             else obj.action
         )
         return f"{label}: all {ops_bulk.MODELS[model]._meta.verbose_name_plural if model in ops_bulk.MODELS else model} matching"
+
+    @admin.display(description="requested by", ordering="requested_by_name")
+    def requester(self, obj: BulkOperation) -> str:
+        return obj.requested_by_name
 
     @admin.display(description="filter")
     def filter_text(self, obj: BulkOperation) -> str:

@@ -208,10 +208,10 @@ def bulk_batch() -> int:
     return int(getattr(settings, "DISPATCH_BULK_BATCH", 200))
 
 
-def bulk_batches_per_tick() -> int:
-    """Batches of bulk operations one maintenance tick works at most (the other tasks
-    wait for them)."""
-    return int(getattr(settings, "DISPATCH_BULK_BATCHES_PER_TICK", 10))
+def bulk_budget() -> float:
+    """Seconds of bulk batches one maintenance tick works at most (a batch started runs to
+    its commit); then the other tasks have their turn."""
+    return float(getattr(settings, "DISPATCH_BULK_BUDGET", 5.0))
 
 
 def bulk_interval() -> float:

@@ -16,6 +16,7 @@ batch. An action is never applied twice.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from dispatch import services
 from dispatch.core import conf
 from dispatch.core.states import Status, Trigger
 from dispatch.models import BulkOperation, BulkSkip, BulkStatus, JobBinding, Run
+from dispatch.models.core import MANAGED_BY_CHOICES
 from dispatch.services import ActionRefused
 
 log = logging.getLogger("dispatch.bulk")
@@ -109,6 +111,7 @@ FILTERS: dict[str, dict[str, Callable[[str], Any]]] = {
     "jobbinding": {
         "enabled__exact": partial(_flag, "1", "0"),
         "job__id__exact": _uuid,
+        "managed_by__exact": _choice([value for value, _ in MANAGED_BY_CHOICES]),
     },
 }
 # The list's own parameters (its order and page): no part of what matches.
@@ -366,12 +369,7 @@ def work_batch(size: int | None = None) -> BatchReport | None:
             log.warning("bulk operation refused operation=%s reason=%s", operation.pk, why)
             report.status = BulkStatus.REFUSED
             return report
-        rows = matching(operation.model, operation.filters)
-        if operation.cursor is not None:
-            rows = rows.filter(pk__gt=operation.cursor)
-        if operation.model == "run":
-            rows = rows.select_related("binding")  # each row's name in its history entry
-        batch = list(rows.order_by("pk")[:size])
+        batch = list(next_rows(operation, size))
         content_type = ContentType.objects.get_for_model(MODELS[operation.model])
         entries: list[LogEntry] = []
         skips: list[BulkSkip] = []
@@ -422,6 +420,18 @@ def work_batch(size: int | None = None) -> BatchReport | None:
     return report
 
 
+def next_rows(operation: BulkOperation, size: int) -> models.QuerySet[Any]:
+    """The batch's rows: the next `size` matching rows after the cursor, by primary key.
+    Over a status filter, a range of dispatch_run_status_id_idx (status, id) whatever the
+    table's size; the other filters narrow what that range (or the primary key's) yields."""
+    rows = matching(operation.model, operation.filters)
+    if operation.cursor is not None:
+        rows = rows.filter(pk__gt=operation.cursor)
+    if operation.model == "run":
+        rows = rows.select_related("binding")  # each row's name in its history entry
+    return rows.order_by("pk")[:size]
+
+
 def _entry(user: Any, content_type: ContentType, obj: Any, name: str, text: str) -> LogEntry:
     return LogEntry(
         user_id=user.pk,
@@ -434,10 +444,11 @@ def _entry(user: Any, content_type: ContentType, obj: Any, name: str, text: str)
 
 
 def work() -> int | None:
-    """The maintenance task: up to `DISPATCH_BULK_BATCHES_PER_TICK` batches; the rows
+    """The maintenance task: batches for up to `DISPATCH_BULK_BUDGET` seconds; the rows
     handled, or None when no operation was waiting (or each was held elsewhere)."""
     handled: int | None = None
-    for _ in range(conf.bulk_batches_per_tick()):
+    until = time.monotonic() + conf.bulk_budget()
+    while time.monotonic() < until:
         report = work_batch()
         if report is None:
             break
