@@ -217,7 +217,7 @@ def bulk_budget() -> float:
 def bulk_interval() -> float:
     """Seconds between a worker's looks for bulk operations to work when it found some;
     twice as often when it found none it could take."""
-    return float(getattr(settings, "DISPATCH_BULK_INTERVAL", 1.0))
+    return float(getattr(settings, "DISPATCH_BULK_INTERVAL", 5.0))
 
 
 # --- operations: alerts and auto-disable (docs/operations.md) ------------------------------
