@@ -369,33 +369,40 @@ def work_batch(size: int | None = None) -> BatchReport | None:
             log.warning("bulk operation refused operation=%s reason=%s", operation.pk, why)
             report.status = BulkStatus.REFUSED
             return report
-        batch = list(next_rows(operation, size))
+        try:
+            batch = list(next_rows(operation, size))
+        except BulkRequestError as exc:  # a stored filter this release no longer accepts
+            _finish(operation, BulkStatus.REFUSED, error=str(exc), finished_at=Now())
+            report.status = BulkStatus.REFUSED
+            return report
         content_type = ContentType.objects.get_for_model(MODELS[operation.model])
         entries: list[LogEntry] = []
         skips: list[BulkSkip] = []
         label = f"{spec.label} (bulk operation {operation.pk})"
-        for obj in batch:
-            name = str(obj)[:200]
-            try:
-                outcome, detail = spec.apply(obj, user)
-            except ActionRefused as refused:
-                code, message = refused.code, refused.message
-            except ObjectDoesNotExist:  # deleted since the read (retention)
-                code, message = "GONE", f"{name} no longer exists."
-            else:
-                report.done += 1
-                text = f"{label}: {outcome}" + (f" ({detail})" if detail else "")
+        # The runs to wake go as one NOTIFY statement at the batch's commit.
+        with services.wakeups_batched():
+            for obj in batch:
+                name = str(obj)[:200]
+                try:
+                    outcome, detail = spec.apply(obj, user)
+                except ActionRefused as refused:
+                    code, message = refused.code, refused.message
+                except ObjectDoesNotExist:  # deleted since the read (retention)
+                    code, message = "GONE", f"{name} no longer exists."
+                else:
+                    report.done += 1
+                    text = f"{label}: {outcome}" + (f" ({detail})" if detail else "")
+                    entries.append(_entry(user, content_type, obj, name, text))
+                    continue
+                report.skipped += 1
+                skips.append(
+                    BulkSkip(
+                        operation=operation, object_id=obj.pk, object_repr=name[:300], code=code,
+                        message=message,
+                    )
+                )  # fmt: skip
+                text = f"{label}: refused ({code}): {message}"
                 entries.append(_entry(user, content_type, obj, name, text))
-                continue
-            report.skipped += 1
-            skips.append(
-                BulkSkip(
-                    operation=operation, object_id=obj.pk, object_repr=name[:300], code=code,
-                    message=message,
-                )
-            )  # fmt: skip
-            text = f"{label}: refused ({code}): {message}"
-            entries.append(_entry(user, content_type, obj, name, text))
         LogEntry.objects.bulk_create(entries)
         BulkSkip.objects.bulk_create(skips)
         last = batch[-1].pk if batch else operation.cursor

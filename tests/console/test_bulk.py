@@ -10,6 +10,7 @@ import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
 from django.contrib.messages import get_messages
+from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
@@ -290,3 +291,65 @@ def test_maintenance_tick__works_pending_operations() -> None:
     assert maintenance.run_once()["bulk"] == 3
     assert BulkOperation.objects.get().status == BulkStatus.DONE
     assert maintenance.run_once()["bulk"] is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_bulk_batch__wakes_its_retried_runs_with_one_statement_at_its_commit() -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    from dispatch.core import conf
+    from tests.support.helpers import raw_connection
+
+    binding = BindingFactory(max_concurrency=100)
+    make_runs(binding.pk, 30, Status.FAILED)
+    blocked = BindingFactory(enabled=False)  # its retried runs wait: no wake-up for them
+    make_runs(blocked.pk, 5, Status.FAILED)
+    user, _ = staff("retry_run")
+    bulk.request("run", "retry", {"status__exact": ["FAILED"]}, user)
+    with raw_connection() as listener:
+        listener.autocommit = True
+        listener.execute(f'LISTEN "{conf.channel()}"')
+        with CaptureQueriesContext(connection) as queries:
+            report = bulk.work_batch(50)
+        # A last notification of our own: those committed before it arrive before it.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, 'end')", [conf.channel()])
+        heard = set()
+        for note in listener.notifies(timeout=30):
+            if note.payload == "end":
+                break
+            heard.add(note.payload)
+    assert report is not None and report.done == 35
+    assert heard == {
+        str(pk) for pk in Run.objects.filter(binding=binding).values_list("pk", flat=True)
+    }
+    sent = [q["sql"] for q in queries.captured_queries if "pg_notify" in q["sql"]]
+    assert len(sent) == 1, sent
+
+
+def test_bulk_release__the_running_attempt_released_a_pending_run_skipped() -> None:
+    from tests.support.factories import trigger
+    from tests.support.helpers import claim_one
+
+    binding = BindingFactory()
+    runs = [trigger(binding), trigger(binding)]
+    claimed = claim_one("w-gone")
+    user, client = staff("view_run", "release_attempt")
+    request_bulk(client, "run", "release", f"binding__id__exact={binding.pk}")
+    drain()
+    op = BulkOperation.objects.get()
+    assert (op.status, op.done, op.skipped) == (BulkStatus.DONE, 1, 1)
+    (skip,) = BulkSkip.objects.all()
+    assert skip.code == "NOT_RUNNING" and str(skip.object_id) != str(claimed.run_id)
+    assert Attempt.objects.get(pk=claimed.attempt_id).status == Status.RETRY_SCHEDULED
+    assert {str(r.pk) for r in runs} == {str(claimed.run_id), str(skip.object_id)}
+
+
+def test_bulk_batch__a_stored_filter_no_longer_accepted_refuses_the_operation() -> None:
+    user, _ = staff("retry_run")
+    op = bulk.request("run", "retry", {"status__exact": ["FAILED"]}, user)
+    BulkOperation.objects.filter(pk=op.pk).update(filters={"status__in": "FAILED"})
+    report = bulk.work_batch(10)
+    assert report is not None and report.status == BulkStatus.REFUSED
+    op.refresh_from_db()
+    assert op.status == BulkStatus.REFUSED and "'status__in' is not a filter" in op.error

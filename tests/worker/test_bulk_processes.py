@@ -45,7 +45,7 @@ def test_bulk_retry__survives_a_worker_killed_halfway_each_run_retried_once(
     first = processes.worker("--worker-id", "bulk-a", "--no-scheduler", env=env)
     wait_until(
         lambda: progress(op.pk).done >= RUNS // 2,
-        timeout=180,
+        timeout=600,
         message="the first worker half way through the operation",
     )
     first.send_signal(signal.SIGKILL)
@@ -58,7 +58,7 @@ def test_bulk_retry__survives_a_worker_killed_halfway_each_run_retried_once(
     processes.worker("--worker-id", "bulk-b", "--no-scheduler", env=env)
     wait_until(
         lambda: progress(op.pk).status == BulkStatus.DONE,
-        timeout=180,
+        timeout=600,
         message="the second worker finishing the operation",
     )
     done = progress(op.pk)
