@@ -202,6 +202,11 @@ def alert_retention_days() -> float:
     return float(getattr(settings, "DISPATCH_ALERT_RETENTION_DAYS", 90.0))
 
 
+def bulk_retention_days() -> float:
+    """Days a finished bulk operation (and its skipped rows) is kept."""
+    return float(getattr(settings, "DISPATCH_BULK_RETENTION_DAYS", 90.0))
+
+
 def bulk_batch() -> int:
     """Rows one batch of a bulk operation handles, in one transaction (their row locks
     are held to its commit)."""
