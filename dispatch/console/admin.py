@@ -1539,7 +1539,6 @@ class BulkOperationAdmin(HistoryAdmin):
                     "finished_at",
                     "cancelled_by",
                     "error",
-                    "skipped_list",
                 ]
             },
         ),
@@ -1569,10 +1568,6 @@ class BulkOperationAdmin(HistoryAdmin):
     def progress(self, obj: BulkOperation) -> SafeString:
         return console_bulk.progress_html(obj)
 
-    @admin.display(description="skipped")
-    def skipped_list(self, obj: BulkOperation) -> SafeString:
-        return console_bulk.skipped_html(obj)
-
     def change_view(
         self,
         request: HttpRequest,
@@ -1585,6 +1580,7 @@ class BulkOperationAdmin(HistoryAdmin):
         original = context.get("original") if context else None
         if context is not None and original is not None:
             context["bulk_live"] = console_bulk.is_live(original)
+            context["skips"] = console_bulk.skips_page(original, request.GET.get("after"))
         return response
 
 

@@ -6,6 +6,7 @@ and an operation's own page (its ModelAdmin is `BulkOperationAdmin` in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
@@ -14,17 +15,17 @@ from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
-from django.utils.html import format_html, format_html_join
+from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from dispatch.console.paging import COUNT_CAP, capped_count
-from dispatch.models import BulkOperation, BulkStatus
+from dispatch.models import BulkOperation, BulkSkip, BulkStatus, Job, JobBinding
 from dispatch.ops import bulk
 
 if TYPE_CHECKING:
     from django.contrib.admin import ModelAdmin
 
-# The skipped rows an operation's page lists (the history has each one's entry too).
+# The skipped rows a page of an operation lists (the history has each one's entry too).
 SKIPS_SHOWN = 100
 
 
@@ -76,7 +77,8 @@ def request_view(modeladmin: ModelAdmin[Any], request: HttpRequest, action: str)
     spec = bulk.ACTIONS.get((model, action))
     if spec is None:
         raise Http404(f"no bulk action {action!r}")
-    if not request.user.has_perm(spec.perm):
+    # The list's permission and the action's, as for the one-at-a-time action.
+    if not (modeladmin.has_view_permission(request) and request.user.has_perm(spec.perm)):
         raise PermissionDenied
     back = _changelist_url(modeladmin, request)
     params = dict(request.GET.lists())
@@ -125,8 +127,25 @@ def request_view(modeladmin: ModelAdmin[Any], request: HttpRequest, action: str)
     return TemplateResponse(request, "admin/dispatch/bulk_confirmation.html", context)
 
 
+# The id filters, and the model whose name the page shows beside the id.
+NAMED = {
+    "binding__id__exact": JobBinding,
+    "binding__job__id__exact": Job,
+    "job__id__exact": Job,
+}
+
+
 def filter_text(operation: BulkOperation) -> str:
-    return ", ".join(f"{k} = {v}" for k, v in sorted(operation.filters.items())) or "(none: all)"
+    parts = []
+    for key, value in sorted(operation.filters.items()):
+        model = NAMED.get(key)
+        name = (
+            model._default_manager.filter(pk=value).values_list("name", flat=True).first()
+            if model
+            else None
+        )
+        parts.append(f"{key} = {value}" + (f" ({name})" if name else ""))
+    return ", ".join(parts) or "(none: all)"
 
 
 def progress_html(operation: BulkOperation) -> SafeString:
@@ -148,26 +167,27 @@ def progress_html(operation: BulkOperation) -> SafeString:
     )
 
 
-def skipped_html(operation: BulkOperation) -> SafeString:
-    skips = list(operation.skips.order_by("id")[:SKIPS_SHOWN])
-    if not skips:
-        return format_html("{}", "none")
-    rows = format_html_join(
-        "", "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
-        ((s.object_repr, s.code, s.message) for s in skips),
-    )  # fmt: skip
-    more = ""
-    if operation.skipped > len(skips):
-        more = (
-            f"The first {len(skips)} of {operation.skipped:,}; each one's refusal is in "
-            "its history too."
-        )
-    return format_html(
-        '<table class="dsp-skips"><thead><tr><th>row</th><th>code</th><th>reason</th></tr>'
-        "</thead><tbody>{}</tbody></table>{}",
-        rows,
-        format_html("<p>{}</p>", more) if more else "",
+@dataclass
+class SkipsPage:
+    """A page of an operation's skipped rows, read by keyset (id > after) on
+    dispatch_bulkskip_op_idx: any page costs the same."""
+
+    rows: list[BulkSkip]
+    after: int  # the id the page starts after (0: the first page)
+    next_after: int | None  # the last id shown, when more follow
+
+
+def skips_page(operation: BulkOperation, after_raw: str | None) -> SkipsPage:
+    try:
+        after = max(0, int(after_raw or "0"))
+    except ValueError:
+        after = 0
+    rows = list(
+        BulkSkip.objects.filter(operation=operation, id__gt=after).order_by("id")[: SKIPS_SHOWN + 1]
     )
+    more = len(rows) > SKIPS_SHOWN
+    rows = rows[:SKIPS_SHOWN]
+    return SkipsPage(rows, after, rows[-1].pk if more else None)
 
 
 def is_live(operation: BulkOperation) -> bool:

@@ -333,6 +333,7 @@ def test_browser__retry_all_matching_then_follow_the_bulk_operation(page: Any) -
     assert page.get_attribute("#dsp-bulk-state", "data-status") == "DONE"
     text = page.inner_text("#content-main")
     assert "40 done, 3 skipped of 43" in text and "NOT_RETRYABLE" in text
+    assert f"binding__id__exact = {b.pk} (orders-nightly)" in text
     assert page.evaluate("document.documentElement.scrollWidth") <= 1280
     SCREENSHOTS.mkdir(exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "bulk-operation.png"), full_page=True)

@@ -122,6 +122,32 @@ def test_bulk_retry__a_run_not_retryable_is_skipped_with_its_reason() -> None:
     assert "only FAILED or CANCELLED runs can be retried" in shown.content.decode()
 
 
+def test_bulk_page__pages_through_the_skipped_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dispatch.console import bulk as console_bulk
+
+    monkeypatch.setattr(console_bulk, "SKIPS_SHOWN", 2)
+    binding = BindingFactory(enabled=False)
+    make_runs(binding.pk, 5, Status.SUCCEEDED)
+    user, client = staff("view_run", "retry_run", "view_bulkoperation")
+    request_bulk(client, "run", "retry", f"binding__id__exact={binding.pk}")
+    drain()
+    op = BulkOperation.objects.get()
+    skips = list(BulkSkip.objects.filter(operation=op).order_by("id"))
+    assert len(skips) == 5
+    page = reverse("admin:dispatch_bulkoperation_change", args=[op.pk])
+    pages = []
+    url = page
+    for _ in range(4):
+        html = client.get(url).content.decode()
+        pages.append([s.object_repr for s in skips if s.object_repr in html])
+        if 'rel="next"' not in html:
+            break
+        after = html.split("?after=", 1)[1].split("#", 1)[0]
+        url = f"{page}?after={after}"
+    assert [len(p) for p in pages] == [2, 2, 1]
+    assert sum(pages, []) == [s.object_repr for s in skips]
+
+
 def test_bulk_cancel__stops_before_the_next_batch_and_keeps_what_was_done() -> None:
     binding = BindingFactory(enabled=False)
     make_runs(binding.pk, 30, Status.PENDING)
@@ -175,6 +201,9 @@ def test_bulk_disable_and_enable__bindings_by_filter() -> None:
 def test_bulk__a_user_without_the_permission_gets_nothing_applied() -> None:
     binding = BindingFactory(enabled=False)
     make_runs(binding.pk, 4, Status.FAILED)
+    # The action's permission without the list's: nothing either.
+    _, blind = staff("retry_run", username="blind")
+    assert blind.get(bulk_url("run", "retry", "status__exact=FAILED")).status_code == 403
     user, client = staff("view_run")
     assert (
         "Apply to all"
