@@ -225,7 +225,7 @@ DISPATCH_MAINTENANCE = env.bool("DISPATCH_MAINTENANCE", default=True)
 DISPATCH_BULK_BATCH = env.int("DISPATCH_BULK_BATCH", default=200)
 DISPATCH_BULK_RETENTION_DAYS = _float("DISPATCH_BULK_RETENTION_DAYS", 90.0)
 DISPATCH_BULK_BUDGET = _float("DISPATCH_BULK_BUDGET", 5.0)
-DISPATCH_BULK_INTERVAL = _float("DISPATCH_BULK_INTERVAL", 5.0)
+DISPATCH_BULK_INTERVAL = _float("DISPATCH_BULK_INTERVAL", 30.0)
 # Alerts and auto-disable (docs/operations.md). The webhook's secret is read from the
 # environment only, never from a file in the repository.
 DISPATCH_HEALTH_INTERVAL = _float("DISPATCH_HEALTH_INTERVAL", 60.0)

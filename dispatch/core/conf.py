@@ -220,9 +220,9 @@ def bulk_budget() -> float:
 
 
 def bulk_interval() -> float:
-    """Seconds between a worker's looks for bulk operations to work when it found some;
-    twice as often when it found none it could take."""
-    return float(getattr(settings, "DISPATCH_BULK_INTERVAL", 5.0))
+    """Seconds between an idle worker's looks for bulk operations to work (one transaction
+    each); a worker that worked batches looks again at its next maintenance tick."""
+    return float(getattr(settings, "DISPATCH_BULK_INTERVAL", 30.0))
 
 
 # --- operations: alerts and auto-disable (docs/operations.md) ------------------------------

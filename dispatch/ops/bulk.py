@@ -452,7 +452,8 @@ def _entry(user: Any, content_type: ContentType, obj: Any, name: str, text: str)
 
 def work() -> int | None:
     """The maintenance task: batches for up to `DISPATCH_BULK_BUDGET` seconds; the rows
-    handled, or None when no operation was waiting (or each was held elsewhere)."""
+    handled (the next look at the next tick), or None when no operation was waiting or
+    each was held elsewhere (the next look after `DISPATCH_BULK_INTERVAL`)."""
     handled: int | None = None
     until = time.monotonic() + conf.bulk_budget()
     while time.monotonic() < until:

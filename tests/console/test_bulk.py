@@ -312,6 +312,21 @@ def test_bulk__each_action_is_the_one_at_a_time_actions_permission() -> None:
     assert set(bulk.FILTERS) == set(bulk.MODELS)
 
 
+def test_maintenance_timer__next_tick_after_work_the_interval_when_idle() -> None:
+    from django.test import override_settings
+
+    due: dict[str, float] = {}
+    with override_settings(DISPATCH_BULK_INTERVAL=30.0):
+        assert maintenance.run_once(now=100.0, due=due)["bulk"] is None
+        assert due["bulk"] == 130.0  # idle: one look per interval
+        binding = BindingFactory(enabled=False)
+        make_runs(binding.pk, 2, Status.FAILED)
+        user, _ = staff("retry_run")
+        bulk.request("run", "retry", {"status__exact": ["FAILED"]}, user)
+        assert maintenance.run_once(now=200.0, due=due)["bulk"] == 2
+        assert due["bulk"] == 200.0 + maintenance.tick_seconds()  # busy: the next tick
+
+
 def test_maintenance_tick__works_pending_operations() -> None:
     binding = BindingFactory(enabled=False)
     make_runs(binding.pk, 3, Status.FAILED)
