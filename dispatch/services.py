@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -20,7 +22,7 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import DatabaseError, connection, transaction
-from django.db.models import Max
+from django.db.models import Max, Q
 from django.db.models.functions import Now
 
 from dispatch import signals
@@ -92,8 +94,43 @@ def notify(run_id: uuid.UUID | str) -> None:
         )
 
 
+# The wake-ups `wakeups_batched` collects (a bulk operation's batch), instead of one
+# statement each at commit. Per thread: the maintenance thread's batch collects its own.
+_collected: ContextVar[list[uuid.UUID] | None] = ContextVar("dispatch_wakeups", default=None)
+
+
 def _notify_on_commit(run_id: uuid.UUID) -> None:
+    collected = _collected.get()
+    if collected is not None:
+        collected.append(run_id)
+        return
     transaction.on_commit(lambda: notify(run_id))
+
+
+@contextmanager
+def wakeups_batched() -> Iterator[None]:
+    """Inside `atomic`: the wake-ups the actions within would each send at commit go as
+    one statement (`notify_many`) at that commit, or not at all if it rolls back, and only
+    for the runs a worker can act on now: a RUNNING attempt (its worker heartbeats at once
+    to learn of a cancel) or a PENDING one that nothing blocks. A wake-up for a blocked
+    attempt (its binding disabled or at capacity) would only make the worker ranked first
+    for it try a claim that misses; such an attempt is claimed once what blocks it clears
+    (a settlement's claim, or a poll). The actions here ask for their wake-up last, after
+    their last refusal."""
+    collected: list[uuid.UUID] = []
+    token = _collected.set(collected)
+    try:
+        yield
+    finally:
+        _collected.reset(token)
+    if not collected:
+        return
+    awake = (
+        Attempt.objects.filter(run_id__in=collected)
+        .filter(Q(status=Status.RUNNING) | Q(status=Status.PENDING, blocked_reason__isnull=True))
+        .values_list("run_id", flat=True)
+    )
+    notify_many(list(dict.fromkeys(awake)))
 
 
 def trigger(

@@ -48,6 +48,7 @@ from dispatch import services
 from dispatch.connectors import incremental
 from dispatch.connectors.base import ConnectorError
 from dispatch.connectors.postgresql.schema_policy import describe_changes
+from dispatch.console import bulk as console_bulk
 from dispatch.console import querypermission
 from dispatch.console import slices as console_slices
 from dispatch.console.actions import (
@@ -84,6 +85,8 @@ from dispatch.models import (
     AttemptEvent,
     BindingCursor,
     BindingHealth,
+    BulkOperation,
+    BulkStatus,
     Datasource,
     Job,
     JobBinding,
@@ -92,6 +95,7 @@ from dispatch.models import (
     SlicePlan,
     Worker,
 )
+from dispatch.ops import bulk as ops_bulk
 from dispatch.security import crypto, jsondepth
 
 log = logging.getLogger("dispatch.console")
@@ -121,23 +125,21 @@ def _service(fn: Callable[..., services.Outcome]) -> Callable[[HttpRequest, Any]
     return call
 
 
+# The same functions a bulk operation applies (dispatch.ops.bulk), one row at a time.
 def _release_from_run(request: HttpRequest, run: Run) -> ActionResult:
-    attempt = run.attempts.filter(status=Status.RUNNING).first()
-    if attempt is None:
-        raise ActionRefused("NOT_RUNNING", f"Run {run.pk} has no running attempt.")
-    outcome = services.release_attempt(attempt, by=request.user)
-    return ActionResult(outcome, detail=f"attempt {attempt.number}")
+    outcome, detail = ops_bulk.release_running(run, request.user)
+    return ActionResult(outcome, detail=detail)
 
 
 def _set_enabled(
     enabled: bool, request: HttpRequest, obj: Datasource | Job | JobBinding
 ) -> ActionResult:
-    # A conditional update: two operators flipping the same row never both "succeed".
-    changed = type(obj).objects.filter(pk=obj.pk, enabled=not enabled).update(enabled=enabled)
-    if not changed:
-        state = "ENABLED" if enabled else "DISABLED"
-        raise ActionRefused(f"ALREADY_{state}", f"{obj} is already {state.lower()}.")
-    return ActionResult("ENABLED" if enabled else "DISABLED")
+    outcome, _ = ops_bulk.set_enabled(enabled, obj, request.user)
+    return ActionResult(outcome)
+
+
+def _cancel_bulk(request: HttpRequest, operation: BulkOperation) -> ActionResult:
+    return ActionResult(ops_bulk.cancel(operation, by=request.user))
 
 
 def scrub(text: str, config: dict[str, Any], secret_fields: frozenset[str]) -> str:
@@ -378,6 +380,16 @@ RELEASE_FROM_RUN = ActionSpec(
     RELEASE.describe,
     applies=lambda run: run.status == Status.RUNNING,
 )
+CANCEL_BULK = ActionSpec(
+    "cancel_bulk",
+    "Cancel operation",
+    "dispatch.cancel_bulkoperation",
+    True,
+    _cancel_bulk,
+    "Stop the bulk operation before its next batch. The batches already done stay "
+    "applied (a batch in flight finishes first).",
+    applies=lambda operation: operation.status == BulkStatus.PENDING,
+)
 TEST = ActionSpec(
     "test_datasource",
     "Test connection",
@@ -442,8 +454,29 @@ class ConsoleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 self.admin_site.admin_view(self.object_action_view),
                 name=f"{info[0]}_{info[1]}_object_action",
             ),
+            # "Apply to all matching" (the models of dispatch.ops.bulk.FILTERS).
+            path(
+                "bulk/<str:action>/",
+                self.admin_site.admin_view(self.bulk_view),
+                name=f"{info[0]}_{info[1]}_bulk",
+            ),
             *super().get_urls(),
         ]
+
+    def bulk_view(self, request: HttpRequest, action: str) -> HttpResponse:
+        return console_bulk.request_view(self, request, action)
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        response = super().changelist_view(request, extra_context)
+        context = getattr(response, "context_data", None)
+        cl = context.get("cl") if context else None
+        if cl is not None and context is not None:
+            # The list's own (capped) count of the filtered rows: no query more.
+            context["bulk_links"] = console_bulk.links(self, request, cl.result_count)
+            context["bulk_count"] = console_bulk.count_text(cl.result_count)
+        return response
 
     def _spec(self, name: str) -> ActionSpec:
         for spec in self.object_actions:
@@ -1495,6 +1528,75 @@ class WorkerAdmin(HistoryAdmin):
     @admin.display(description="counters")
     def stats_view(self, obj: Worker) -> SafeString:
         return _json_block(obj.stats or {})
+
+
+@admin.register(BulkOperation)
+class BulkOperationAdmin(HistoryAdmin):
+    """A bulk operation's page: its status, progress, skipped rows with their reasons and
+    a cancel button (docs/console.md, "Bulk operations")."""
+
+    list_display = ["id", "summary", "status", "progress", "requester", "created_at"]
+    list_filter = ["status", "model", "action"]
+    ordering = ["-id"]
+    fieldsets = [
+        (
+            None,
+            {
+                "fields": [
+                    "id",
+                    "summary",
+                    "filter_text",
+                    "status",
+                    "progress",
+                    "requester",
+                    "created_at",
+                    "updated_at",
+                    "finished_at",
+                    "cancelled_by",
+                    "error",
+                ]
+            },
+        ),
+    ]
+    readonly_fields = fieldset_fields(fieldsets)
+    object_actions = (CANCEL_BULK,)
+
+    @admin.display(description="operation")
+    def summary(self, obj: BulkOperation) -> str:
+        model = obj.model
+        label = (
+            ops_bulk.ACTIONS[(model, obj.action)].label
+            if (model, obj.action) in ops_bulk.ACTIONS
+            else obj.action
+        )
+        return f"{label}: all {ops_bulk.MODELS[model]._meta.verbose_name_plural if model in ops_bulk.MODELS else model} matching"
+
+    @admin.display(description="requested by", ordering="requested_by_name")
+    def requester(self, obj: BulkOperation) -> str:
+        return obj.requested_by_name
+
+    @admin.display(description="filter")
+    def filter_text(self, obj: BulkOperation) -> str:
+        return console_bulk.filter_text(obj)
+
+    @admin.display(description="progress")
+    def progress(self, obj: BulkOperation) -> SafeString:
+        return console_bulk.progress_html(obj)
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        response = super().change_view(request, object_id, form_url, extra_context)
+        context = getattr(response, "context_data", None)
+        original = context.get("original") if context else None
+        if context is not None and original is not None:
+            context["bulk_live"] = console_bulk.is_live(original)
+            context["skips"] = console_bulk.skips_page(original, request.GET.get("after"))
+        return response
 
 
 @admin.register(Overview)

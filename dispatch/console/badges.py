@@ -89,6 +89,7 @@ REFUSAL_TEXT: dict[str, str] = {
     "ALREADY_DISABLED": "already disabled",
     "CONNECTION_FAILED": "connection failed",
     "ALREADY_REVOKED": "already revoked",
+    "GONE": "deleted meanwhile (retention)",
 }
 # Refusals whose message is shown, not only the object's name (a cursor's: our own text,
 # saying what was wrong with the value).

@@ -202,6 +202,29 @@ def alert_retention_days() -> float:
     return float(getattr(settings, "DISPATCH_ALERT_RETENTION_DAYS", 90.0))
 
 
+def bulk_retention_days() -> float:
+    """Days a finished bulk operation (and its skipped rows) is kept."""
+    return float(getattr(settings, "DISPATCH_BULK_RETENTION_DAYS", 90.0))
+
+
+def bulk_batch() -> int:
+    """Rows one batch of a bulk operation handles, in one transaction (their row locks
+    are held to its commit)."""
+    return int(getattr(settings, "DISPATCH_BULK_BATCH", 200))
+
+
+def bulk_budget() -> float:
+    """Seconds of bulk batches one maintenance tick works at most (a batch started runs to
+    its commit); then the other tasks have their turn."""
+    return float(getattr(settings, "DISPATCH_BULK_BUDGET", 5.0))
+
+
+def bulk_interval() -> float:
+    """Seconds between an idle worker's looks for bulk operations to work (one transaction
+    each); a worker that worked batches looks again at its next maintenance tick."""
+    return float(getattr(settings, "DISPATCH_BULK_INTERVAL", 30.0))
+
+
 # --- operations: alerts and auto-disable (docs/operations.md) ------------------------------
 
 

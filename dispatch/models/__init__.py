@@ -1,7 +1,8 @@
 """dispatch's models: the core tables (datasources, jobs, bindings, runs, attempts,
 cursors, workers), the operations tables (health, alerts, metrics, maintenance
-cursors) and the HTTP API's tokens. Django finds every model through this package; import them from here."""
+cursors), bulk operations and the HTTP API's tokens. Django finds every model through this package; import them from here."""
 
+from dispatch.models.bulk import BulkOperation, BulkSkip, BulkStatus
 from dispatch.models.core import (
     MANAGED_BY_FILES,
     MAX_JSON_BYTES,
@@ -46,6 +47,9 @@ __all__ = [
     "BindingCursor",
     "BindingHealth",
     "BindingMetrics",
+    "BulkOperation",
+    "BulkSkip",
+    "BulkStatus",
     "Datasource",
     "HealthState",
     "Job",

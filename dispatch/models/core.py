@@ -534,6 +534,10 @@ class Run(models.Model):
             # first, read in index order, never sorted (docs/console.md, "At scale").
             models.Index(fields=["-created_at"], name="dispatch_run_created_idx"),
             models.Index(fields=["trigger", "-created_at"], name="dispatch_run_trigger_idx"),
+            # A bulk operation's batch over a status filter (retry the FAILED, cancel the
+            # PENDING): the next rows of that status after the keyset cursor, by primary
+            # key, a range read whatever the table's size (dispatch.ops.bulk).
+            models.Index(fields=["status", "id"], name="dispatch_run_status_id_idx"),
         ]
 
     def __str__(self) -> str:

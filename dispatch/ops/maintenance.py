@@ -1,6 +1,6 @@
 """The maintenance loop every worker runs in a background thread (`runworker`, unless
 `DISPATCH_MAINTENANCE` is off): retention at a low rate, the health scan (alerts and
-auto-disable) and the alert outbox's drain.
+auto-disable), the alert outbox's drain and the batches of bulk operations.
 
 No leader: each task is idempotent and gated by a conditional update on
 `dispatch_opsstate` (see `dispatch.ops.retention.begin_pass`), so with any number of workers
@@ -20,7 +20,7 @@ from django.db import connection
 
 from dispatch.core import conf
 from dispatch.core.db import DB_ERRORS
-from dispatch.ops import retention
+from dispatch.ops import bulk, retention
 from dispatch.worker.log import db_error
 
 log = logging.getLogger("dispatch.maintenance")
@@ -37,14 +37,29 @@ def _health() -> object:
     return alerts.maybe_scan_and_drain()
 
 
-# Tasks: (name, call, interval). A call gates itself across workers (a conditional update
-# on dispatch_opsstate; None: another worker ran it within its interval). Locally, a
-# worker tries a task again after half its interval when it was not its turn, and after a
-# whole interval when it ran it: about two transactions per interval and task per worker,
-# whatever the tick.
-TASKS: list[tuple[str, Callable[[], object], Callable[[], float]]] = [
-    ("retention", retention.maybe_prune, conf.retention_interval),
-    ("health", _health, conf.health_interval),
+def _gated(interval: Callable[[], float]) -> Callable[[object], float]:
+    """A gated task's next look: half its interval when it was not its turn, a whole one
+    when it ran (or failed)."""
+    return lambda result: interval() * (0.5 if result is None else 1.0)
+
+
+def _bulk_next(result: object) -> float:
+    """Bulk batches: at the next tick after a tick that worked some (more may wait), else
+    after DISPATCH_BULK_INTERVAL (an idle worker's look is one transaction that often)."""
+    return tick_seconds() if isinstance(result, int) else conf.bulk_interval()
+
+
+# Tasks: (name, call, seconds to the next look given what the call returned). A call
+# gates itself across workers (a conditional update on dispatch_opsstate; None: another
+# worker ran it within its interval). Locally, a worker tries a task again after half its
+# interval when it was not its turn, and after a whole interval when it ran it: about two
+# transactions per interval and task per worker, whatever the tick. Bulk operations are
+# gated by a row lock instead (FOR UPDATE SKIP LOCKED on the operation): each worker works
+# a different operation, or none.
+TASKS: list[tuple[str, Callable[[], object], Callable[[object], float]]] = [
+    ("retention", retention.maybe_prune, _gated(conf.retention_interval)),
+    ("health", _health, _gated(conf.health_interval)),
+    ("bulk", bulk.work, _bulk_next),
 ]
 
 
@@ -53,7 +68,7 @@ def run_once(now: float | None = None, due: dict[str, float] | None = None) -> d
     `due`). Returns what each did (None: not its turn; absent: not tried)."""
     now = time.monotonic() if now is None else now
     done: dict[str, object] = {}
-    for name, task, interval in TASKS:
+    for name, task, next_look in TASKS:
         if due is not None and due.get(name, 0.0) > now:
             continue
         try:
@@ -67,7 +82,7 @@ def run_once(now: float | None = None, due: dict[str, float] | None = None) -> d
             with contextlib.suppress(*DB_ERRORS):
                 connection.close()  # a broken connection is rebuilt on the next tick
         if due is not None:
-            due[name] = now + interval() * (0.5 if result is None else 1.0)
+            due[name] = now + next_look(result)
     return done
 
 

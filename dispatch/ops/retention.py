@@ -49,6 +49,7 @@ class PruneReport:
     history_entries: int = 0
     workers: int = 0
     alerts: int = 0
+    bulk_operations: int = 0
     batches: int = 0
     # The newest finished_at among deleted runs: slots of schedules up to here may have
     # lost their run to retention (the invariant checker allows for it).
@@ -67,7 +68,8 @@ class PruneReport:
         return (
             f"{verb} {self.total_runs} run(s) ({by_status}), {self.attempts} attempt(s), "
             f"{self.history_entries} history entr(ies), {self.workers} stopped worker(s), "
-            f"{self.alerts} alert(s) in {self.batches} batch(es){more}"
+            f"{self.alerts} alert(s), {self.bulk_operations} bulk operation(s) "
+            f"in {self.batches} batch(es){more}"
         )
 
 
@@ -179,6 +181,9 @@ def prune(
     if not dry_run:
         report.workers = _prune_simple("prune_workers", conf.worker_retention_days() * DAY, batch)
         report.alerts = _prune_simple("prune_alerts", conf.alert_retention_days() * DAY, batch)
+        report.bulk_operations = _prune_simple(
+            "prune_bulk_operations", conf.bulk_retention_days() * DAY, batch
+        )
         _record(report)
     log.info("retention pass: %s", report.summary())
     return report

@@ -135,6 +135,21 @@ DELETE FROM dispatch_alert
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED);
 
+-- name: prune_bulk_operations
+-- Finished bulk operations (done, cancelled, refused) older than the retention, with
+-- their skipped rows; never one in progress. The foreign key from dispatch_bulkskip is
+-- checked at commit (deferred), so the two deletes may run in either order. A small
+-- table (one row per request): no index of its own.
+WITH gone AS (
+    SELECT id FROM dispatch_bulkoperation
+     WHERE status <> 'PENDING' AND finished_at < now() - make_interval(secs => %(seconds)s)
+     ORDER BY finished_at
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED),
+skips AS (
+    DELETE FROM dispatch_bulkskip s USING gone WHERE s.operation_id = gone.id)
+DELETE FROM dispatch_bulkoperation o USING gone WHERE o.id = gone.id;
+
 -- name: prune_oldest_finished
 -- The oldest finished run of each final status (for the console and the metrics): one
 -- index probe per status (dispatch_run_status_idx).

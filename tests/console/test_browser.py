@@ -371,3 +371,36 @@ def test_browser__a_runs_page_shows_each_attempts_events_beside_it(page: Any) ->
     assert page.evaluate("document.documentElement.scrollWidth") <= 1280
     SCREENSHOTS.mkdir(exist_ok=True)
     page.locator("#attempts-timeline").screenshot(path=str(SCREENSHOTS / "run-events.png"))
+
+
+def test_browser__retry_all_matching_then_follow_the_bulk_operation(page: Any) -> None:
+    """From a filtered run list: "apply to all matching", confirm, the message's link to
+    the operation's page; the batches (run here, as a worker's maintenance loop runs
+    them) fill its progress and list the skipped runs with their reasons."""
+    from dispatch.models import BulkOperation
+    from dispatch.ops import bulk
+    from tests.support.bulk import make_runs
+
+    b = binding("orders-nightly", {"rows": 10})
+    JobBinding.objects.filter(pk=b.pk).update(enabled=False)  # the retries wait
+    make_runs(b.pk, 40, Status.FAILED)
+    make_runs(b.pk, 3, Status.SUCCEEDED)
+    page.goto(f"{page.base}/admin/dispatch/run/?binding__id__exact={b.pk}")
+    assert "Apply to all 43 matching this filter" in page.inner_text("#dsp-bulk")
+    page.click("#dsp-bulk >> text=Retry…")
+    page.wait_for_selector("#dsp-bulk-filter")
+    page.click("input[type=submit]")
+    page.click(".messagelist >> text=Follow it on its page")
+    page.wait_for_selector("#dsp-bulk-state")
+    assert page.get_attribute("#dsp-bulk-state", "data-status") == "PENDING"
+    while bulk.work_batch(20) is not None:
+        pass
+    assert BulkOperation.objects.get().done == 40
+    page.reload()
+    assert page.get_attribute("#dsp-bulk-state", "data-status") == "DONE"
+    text = page.inner_text("#content-main")
+    assert "40 done, 3 skipped of 43" in text and "NOT_RETRYABLE" in text
+    assert f"binding__id__exact = {b.pk} (orders-nightly)" in text
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1280
+    SCREENSHOTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "bulk-operation.png"), full_page=True)

@@ -191,6 +191,29 @@ def test_prune__removes_old_stopped_workers_but_never_one_that_holds_an_attempt(
     assert sorted(Worker.objects.values_list("id", flat=True)) == ["holding", "recent"]
 
 
+def test_prune__removes_old_finished_bulk_operations_with_their_skips_never_one_in_progress():
+    from dispatch.models import BulkOperation, BulkSkip, BulkStatus
+
+    def operation(status: str, days: int) -> BulkOperation:
+        op = BulkOperation.objects.create(model="run", action="retry", status=status)
+        BulkSkip.objects.create(
+            operation=op, object_id=uuid.uuid4(), object_repr="r", code="C", message="m"
+        )
+        BulkOperation.objects.filter(pk=op.pk).update(
+            finished_at=Now() - Value(timedelta(days=days), output_field=DurationField())
+        )
+        return op
+
+    old = operation(BulkStatus.DONE, 100)
+    recent = operation(BulkStatus.CANCELLED, 10)
+    running = operation(BulkStatus.PENDING, 100)  # a finished_at it cannot have: still kept
+    report = retention.prune()
+    assert report.bulk_operations == 1
+    assert sorted(BulkOperation.objects.values_list("pk", flat=True)) == [recent.pk, running.pk]
+    assert not BulkSkip.objects.filter(operation_id=old.pk).exists()
+    assert BulkSkip.objects.count() == 2
+
+
 def test_prune_command__dry_run_reports_and_deletes_nothing(capsys):
     binding = BindingFactory()
     old = finished_run(binding, Status.SUCCEEDED, 30)
