@@ -22,7 +22,7 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import DatabaseError, connection, transaction
-from django.db.models import Max, Q
+from django.db.models import Exists, Max, OuterRef, Q, Subquery
 from django.db.models.functions import Now
 
 from dispatch import signals
@@ -312,22 +312,26 @@ def _lock_run(run: Run | uuid.UUID | str) -> tuple[Run, Attempt | None]:
     return locked, live
 
 
-def _refuse_slice(run: Run | uuid.UUID | str, action: str) -> uuid.UUID:
-    """The run's id; a slice run refused (its sliced run is what an operator acts on)."""
+def _refuse_slice(run: Run | uuid.UUID | str, action: str) -> tuple[uuid.UUID, bool]:
+    """The run's id and whether it is sliced (has a slice plan, written once by its
+    planning attempt), in one query; a slice run refused (its sliced run is what an
+    operator acts on)."""
     run_id = run.pk if isinstance(run, Run) else uuid.UUID(str(run))
-    row = Run.objects.filter(pk=run_id).values_list("parent_id", "slice_number").first()
-    if row is not None and row[0] is not None:
+    row = (
+        Run.objects.filter(pk=run_id)
+        .annotate(sliced=Exists(SlicePlan.objects.filter(run_id=OuterRef("pk"))))
+        .values_list("parent_id", "slice_number", "sliced")
+        .first()
+    )
+    if row is None:
+        return run_id, False
+    if row[0] is not None:
         raise ActionRefused(
             "SLICE_RUN",
             f"Run {run_id} is slice {row[1]} of run {row[0]}: {action} run {row[0]} "
             "(its slices follow).",
         )
-    return run_id
-
-
-def _is_sliced(run_id: uuid.UUID) -> bool:
-    """Whether the run has a slice plan (written once, by its planning attempt)."""
-    return SlicePlan.objects.filter(run_id=run_id).exists()
+    return run_id, bool(row[2])
 
 
 class _Moved(Exception):  # noqa: N818 - control flow: the rows moved under us, try again
@@ -432,8 +436,8 @@ def cancel_run(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
     running ones get a cancel request; the run is CANCELLED once none is running (a slice
     whose commit wins still counts as done). Locks its live slice runs (ascending id),
     their attempts, then the run. A slice run itself is refused (SLICE_RUN)."""
-    run_id = _refuse_slice(run, "cancel")
-    if _is_sliced(run_id):
+    run_id, sliced_run = _refuse_slice(run, "cancel")
+    if sliced_run:
 
         def sliced() -> Outcome | None:
             with transaction.atomic():
@@ -539,8 +543,8 @@ def retry_run(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
 
     A sliced run (planned): only its slices that did not commit are redone (`_retry_sliced`);
     a slice run itself is refused (SLICE_RUN)."""
-    run_id = _refuse_slice(run, "retry")
-    if _is_sliced(run_id):
+    run_id, sliced_run = _refuse_slice(run, "retry")
+    if sliced_run:
 
         def sliced() -> list[uuid.UUID]:
             with transaction.atomic():
@@ -553,17 +557,32 @@ def retry_run(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
         log.info("sliced run retried run=%s slices=%d by=%s", run_id, len(woken), _who(by))
         return Outcome.RETRIED
     with transaction.atomic():
-        locked, live = _lock_run(run_id)
-        if live is not None or locked.status not in RETRYABLE_RUN_STATUSES:
+        # The run locked with what the retry decides on, in one statement: its last
+        # attempt's number, whether an attempt is live and whether it has been sliced since
+        # the look above (nothing is refused on an unlocked read: the run's lock orders
+        # every change of its attempts).
+        attempts = Attempt.objects.filter(run_id=OuterRef("pk"))
+        locked = (
+            Run.objects.select_for_update(of=("self",))
+            .annotate(
+                last=Subquery(
+                    attempts.order_by().values("run_id").annotate(n=Max("number")).values("n")
+                ),
+                live=Exists(attempts.filter(status__in=LIVE_STATUSES)),
+                sliced=Exists(SlicePlan.objects.filter(run_id=OuterRef("pk"))),
+            )
+            .get(pk=run_id)
+        )
+        if locked.live or locked.status not in RETRYABLE_RUN_STATUSES:
             raise ActionRefused(
                 "NOT_RETRYABLE",
                 f"Run {locked.pk} is {locked.status}; only FAILED or CANCELLED runs can be retried.",
             )
-        if _is_sliced(run_id):
+        if locked.sliced:
             # Planned, then ended, since the look above: another planning attempt would
             # find its plan written; the sliced retry locks the slices first.
             raise ActionRefused("BUSY", f"Run {run_id} has just been sliced; try again.")
-        number = (locked.attempts.aggregate(n=Max("number"))["n"] or 0) + 1
+        number = (locked.last or 0) + 1
         Attempt.objects.create(
             run=locked, number=number, origin=Origin.OPERATOR, status=Status.PENDING
         )
