@@ -33,6 +33,7 @@ SNAPSHOT_SHA256 = {
     "0020_functions.sql": "418fc1f1d75aec0e21947e00ecefbc69f82b9d5d9ffb7651a6aa40ffd8350b5b",
     "0022_functions.sql": "7ed6e6d7b5ec0066118785ede8a28dadafb550c7bc9acf9aa454b6764634afc9",
     "0026_functions.sql": "e39461e6518a4a318b9ad4f1da3b60630ef5ec524af35c8f440b0e94a76d3ad3",
+    "0033_functions.sql": "1d29339246a0829ff524de01f6715bf60ac000971326a6725fbbba59f5b2f73a",
 }
 
 

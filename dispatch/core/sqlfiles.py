@@ -33,6 +33,7 @@ FUNCTION_FILES = (
     "claim.sql",
     "settle.sql",
     "slices.sql",
+    "chains.sql",
     "recover.sql",
     "heartbeat.sql",
     "queue.sql",
