@@ -20,10 +20,10 @@ from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils.module_loading import import_string
 
+from dispatch import services
 from dispatch.ascode.loader import Document
 from dispatch.connectors import registry
 from dispatch.core import conf
-from dispatch import services
 from dispatch.core.states import LIVE_STATUSES, ChainOn
 from dispatch.models import MANAGED_BY_FILES, BindingEdge, Datasource, Job, JobBinding, redact
 from dispatch.security import crypto, secretrefs, sqlperm
@@ -418,7 +418,11 @@ class BindingKind(Kind):
     edge_fields: ClassVar[tuple[str, ...]] = ("after", "on")
 
     def stored(self, obj: Any) -> dict[str, Any]:
-        out = {k: v for k, v in super().stored(obj).items() if k not in self.edge_fields}
+        out: dict[str, Any] = {}
+        for f in self.fields:
+            if f.key not in self.edge_fields:
+                value = getattr(obj, f.key)
+                out[f.key] = value.name if f.ref and value is not None else value
         return {**out, **self._edges(obj)}
 
     def fingerprint_values(self, obj: Any) -> dict[str, Any]:

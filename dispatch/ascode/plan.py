@@ -17,10 +17,10 @@ from typing import Any
 
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 
+from dispatch import services
 from dispatch.ascode.errors import DefinitionError, Problem, where
 from dispatch.ascode.kinds import Definition, Kind, all_kinds, secret_keys, stored_config
 from dispatch.ascode.loader import Document, dotted
-from dispatch import services
 from dispatch.models import MANAGED_BY_FILES, SECRET_MASK, BindingEdge
 from dispatch.security import limits
 
@@ -449,7 +449,9 @@ def _check_chains(
                 problems.at(definition, ("after", i), "a binding cannot wait for itself")
             elif up not in known:
                 problems.at(
-                    definition, ("after", i), f"no binding named {up!r} in the files or the database"
+                    definition,
+                    ("after", i),
+                    f"no binding named {up!r} in the files or the database",
                 )
             else:
                 edges.append((up, name))

@@ -58,9 +58,7 @@ def _blocked_by(gate: psycopg.Connection[Any]) -> list[int]:
 def test_chain_and_fan_in__worker_killed_in_each_settlement_every_downstream_runs_once(
     processes: Processes, gates: dict[str, psycopg.Connection[Any]]
 ) -> None:
-    job = factories.JobFactory(
-        source_spec={"rows": 3, "batch": 3}, lease_seconds=2, max_attempts=5
-    )
+    job = factories.JobFactory(source_spec={"rows": 3, "batch": 3}, lease_seconds=2, max_attempts=5)
     a, b, c, d, e = (factories.BindingFactory(name=f"ch-{n}", job=job) for n in "abcde")
     for up, down in ((a, b), (b, c), (a, d), (c, e), (d, e)):
         BindingEdge.objects.create(upstream=up, downstream=down)
@@ -89,8 +87,9 @@ def test_chain_and_fan_in__worker_killed_in_each_settlement_every_downstream_run
         gate.close()
         worker = processes.worker("--worker-id", f"w{killed}")
     wait_until(
-        lambda: Run.objects.filter(binding=e, chain_root_id=root.pk, status=Status.SUCCEEDED)
-        .exists(),
+        lambda: Run.objects.filter(
+            binding=e, chain_root_id=root.pk, status=Status.SUCCEEDED
+        ).exists(),
         timeout=90,
         message="the fan-in's run succeeds",
     )
