@@ -430,6 +430,7 @@ class BindingForm(forms.ModelForm):  # type: ignore[type-arg]
     on = forms.ChoiceField(
         choices=ChainOn.choices,
         initial=ChainOn.SUCCESS,
+        required=False,
         label="Starts",
         help_text="on success: every upstream run succeeded; on completion: it ended at all.",
     )
