@@ -69,3 +69,25 @@ def test_pages__binding_lists_its_edges_and_run_its_chain(admin_client: Client) 
     page = admin_client.get(f"/admin/dispatch/run/{down.pk}/change/").content.decode()
     assert f"/admin/dispatch/run/{root.pk}/change/" in page  # caused by, and its root
     assert "chain begun by" in page
+
+
+def test_admin__the_binding_page_saves_its_upstreams_and_shows_a_cycle(
+    admin_client: Client,
+) -> None:
+    from tests.ops.test_alerts import binding_post
+
+    a, b = factories.BindingFactory(name="adm-a"), factories.BindingFactory(name="adm-b")
+    url = f"/admin/dispatch/jobbinding/{b.pk}/change/"
+    data = {**binding_post(b), "after": [str(a.pk)], "on": ChainOn.COMPLETION}
+    response = admin_client.post(url, data)
+    assert response.status_code == 302, response.content.decode()[-3000:]
+    assert list(BindingEdge.objects.values_list("upstream", "downstream", "on")) == [
+        (a.pk, b.pk, "COMPLETION")
+    ]
+    data = {**binding_post(a), "after": [str(b.pk)]}
+    response = admin_client.post(f"/admin/dispatch/jobbinding/{a.pk}/change/", data)
+    assert response.status_code == 200
+    assert "these upstreams would form a cycle: adm-a -&gt; adm-b -&gt; adm-a" in (
+        response.content.decode()
+    )
+    assert BindingEdge.objects.count() == 1
