@@ -3,7 +3,7 @@
 an upstream is SIGKILLed while its settlement waits to create the downstream run. Every
 downstream binding runs exactly once in the chain (docs/architecture.md, "Chains").
 
-A gate is a session of the test holding the downstream bindings' rows FOR UPDATE: the
+A gate is a connection of the test holding the downstream bindings' rows FOR UPDATE: the
 settlement's insert of a downstream run needs FOR KEY SHARE on its binding (the foreign
 key), so it waits there, after the upstream's own status is written in the same
 transaction. The worker is killed and its waiting backend ended (a dead client's
