@@ -31,12 +31,21 @@ from dispatch.core.progress import Progress
 from dispatch.core.states import (
     LIVE_STATUSES,
     RETRYABLE_RUN_STATUSES,
+    ChainOn,
     Origin,
     Reason,
     Status,
     Trigger,
 )
-from dispatch.models import Attempt, BindingCursor, JobBinding, Run, Slice, SlicePlan
+from dispatch.models import (
+    Attempt,
+    BindingCursor,
+    BindingEdge,
+    JobBinding,
+    Run,
+    Slice,
+    SlicePlan,
+)
 from dispatch.security import crypto
 
 log = logging.getLogger("dispatch.services")
@@ -131,6 +140,78 @@ def wakeups_batched() -> Iterator[None]:
         .values_list("run_id", flat=True)
     )
     notify_many(list(dict.fromkeys(awake)))
+
+
+def _chain_fire(run_id: uuid.UUID, status: str) -> None:
+    """The edges of a run this transaction ended (dispatch_chain_fire), after its status
+    is written; the downstream runs it made eligible are woken after commit."""
+    with connection.cursor() as cursor:
+        cursor.execute(sqlfiles.query("chain_fire"), {"run": run_id, "status": status})
+        ready = [row[0] for row in cursor.fetchall() if row[0] is not None]
+    for down in ready:
+        _notify_on_commit(down)
+
+
+class ChainCycle(ValidationError):
+    """Edges that would form a cycle; the message names it (`a -> b -> a`)."""
+
+
+def chain_cycle(edges: Sequence[tuple[str, str]]) -> list[str] | None:
+    """A cycle in these edges (upstream, downstream), as the path that closes it
+    (`[a, b, a]`), or None. Names or ids alike: the graph is only what it is given."""
+    after: dict[str, list[str]] = {}
+    for up, down in edges:
+        after.setdefault(up, []).append(down)
+    done: set[str] = set()
+    for start in sorted(after):
+        stack: list[tuple[str, list[str]]] = [(start, [start])]
+        seen_here: set[str] = set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(after.get(node, ()), reverse=True):
+                if nxt in path:
+                    return path[path.index(nxt) :] + [nxt]
+                if nxt not in done and nxt not in seen_here:
+                    seen_here.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+        done.add(start)
+    return None
+
+
+def set_upstreams(binding: JobBinding, upstreams: Sequence[tuple[JobBinding, str]]) -> None:
+    """Make `upstreams` ((binding, ChainOn)) the edges into `binding`, refusing a cycle
+    (`ChainCycle`, naming it). Takes the edges table in SHARE ROW EXCLUSIVE mode first, so
+    two edits check for cycles one after the other (the table trigger
+    dispatch_bindingedge_no_cycle checks again, for every writer). Runs in the caller's
+    transaction, or one of its own."""
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(sqlfiles.query("lock_edges"))
+        wanted = {up.pk: (up, ChainOn(on)) for up, on in upstreams}
+        others = [
+            (str(e.upstream_id), str(e.downstream_id))
+            for e in BindingEdge.objects.exclude(downstream_id=binding.pk)
+        ]
+        proposed = others + [(str(up), str(binding.pk)) for up in wanted]
+        cycle = chain_cycle(proposed)
+        if cycle is not None:
+            # Told from the binding being edited: "this -> ... -> this".
+            ring = cycle[:-1]
+            start = ring.index(str(binding.pk)) if str(binding.pk) in ring else 0
+            cycle = ring[start:] + ring[:start] + [ring[start]]
+            names = dict(JobBinding.objects.filter(pk__in=cycle).values_list("pk", "name"))
+            text = " -> ".join(names.get(uuid.UUID(n), n) for n in cycle)
+            raise ChainCycle(f"these upstreams would form a cycle: {text}", code="cycle")
+        current = {e.upstream_id: e for e in BindingEdge.objects.filter(downstream_id=binding.pk)}
+        BindingEdge.objects.filter(downstream_id=binding.pk).exclude(
+            upstream_id__in=list(wanted)
+        ).delete()
+        for up_id, (_, on) in wanted.items():
+            edge = current.get(up_id)
+            if edge is None:
+                BindingEdge.objects.create(upstream_id=up_id, downstream_id=binding.pk, on=on)
+            elif edge.on != on:
+                BindingEdge.objects.filter(pk=edge.pk).update(on=on)
 
 
 def trigger(
@@ -421,6 +502,7 @@ def _cancel_sliced(run_id: uuid.UUID) -> Outcome | None:
         Run.objects.filter(pk=run_id).update(
             status=Status.CANCELLED, finished_at=Now(), cancel_requested_at=Now()
         )
+        _chain_fire(run_id, Status.CANCELLED)
         return Outcome.CANCELLED
     Run.objects.filter(pk=run_id).update(cancel_requested_at=Now())
     for slice_run in running:
@@ -463,6 +545,7 @@ def cancel_run(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
                 Run.objects.filter(pk=locked.pk).update(
                     status=Status.CANCELLED, finished_at=Now(), cancel_requested_at=Now()
                 )
+                _chain_fire(locked.pk, Status.CANCELLED)
                 signals.settled(
                     run_id=locked.pk,
                     attempt_id=live.pk,

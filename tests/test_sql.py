@@ -34,6 +34,7 @@ SNAPSHOT_SHA256 = {
     "0022_functions.sql": "7ed6e6d7b5ec0066118785ede8a28dadafb550c7bc9acf9aa454b6764634afc9",
     "0026_functions.sql": "e39461e6518a4a318b9ad4f1da3b60630ef5ec524af35c8f440b0e94a76d3ad3",
     "0031_functions.sql": "4a9a7778de1ea5e39330f4de8922e4d2bba549da81abaf0ad91868a350273d4c",
+    "0033_functions.sql": "ef4ebca783da3f6c18f23c196fcc347071c76a655cfb9db9c55a72abee689815",
 }
 
 

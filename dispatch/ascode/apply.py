@@ -66,6 +66,11 @@ def apply(plan: Plan) -> Result:
                         result.created += 1
                     else:
                         result.changed += 1
+        for kind in order:
+            for change in plan.changes:
+                if change.kind == kind.key and change.action in (CREATE, CHANGE):
+                    assert change.definition is not None
+                    kind.write_after(written[(kind.key, change.name)], change.definition)
         deleting = {
             key: {c.pk for c in plan.changes if c.kind == key and c.action == DELETE}
             for key in kinds

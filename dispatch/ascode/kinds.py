@@ -20,11 +20,12 @@ from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils.module_loading import import_string
 
+from dispatch import services
 from dispatch.ascode.loader import Document
 from dispatch.connectors import registry
 from dispatch.core import conf
-from dispatch.core.states import LIVE_STATUSES
-from dispatch.models import MANAGED_BY_FILES, Datasource, Job, JobBinding, redact
+from dispatch.core.states import LIVE_STATUSES, ChainOn
+from dispatch.models import MANAGED_BY_FILES, BindingEdge, Datasource, Job, JobBinding, redact
 from dispatch.security import crypto, secretrefs, sqlperm
 
 _TYPE_WORDS = {
@@ -167,6 +168,10 @@ class Kind:
 
     def delete(self, obj: Any) -> None:
         obj.delete()
+
+    def write_after(self, obj: Any, definition: Definition) -> None:
+        """What the object needs once every object of the apply is written (a binding's
+        edges name other bindings)."""
 
     def export(self, obj: Any, notes: list[str]) -> dict[str, Any]:
         return dict(self.stored(obj))
@@ -404,7 +409,54 @@ class BindingKind(Kind):
         Field("sink", (str,), required=True, ref="datasources"),
         Field("enabled", (bool,)),
         Field("max_concurrency", (int,)),
+        # The bindings it waits for (names; its upstream edges) and when each fires it.
+        Field("after", (list,), default=list),
+        Field("on", (str,), choices=("success", "completion"), default=lambda: "success"),
     )
+    # Not columns of the binding: its edges (BindingEdge), written once every binding of
+    # the apply is saved (`write_after`).
+    edge_fields: ClassVar[tuple[str, ...]] = ("after", "on")
+
+    def stored(self, obj: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in self.fields:
+            if f.key not in self.edge_fields:
+                value = getattr(obj, f.key)
+                out[f.key] = value.name if f.ref and value is not None else value
+        return {**out, **self._edges(obj)}
+
+    def fingerprint_values(self, obj: Any) -> dict[str, Any]:
+        values = {"name": obj.name, "managed_by": obj.managed_by}
+        for f in self.fields:
+            if f.key not in self.edge_fields:
+                values[f.key] = getattr(obj, f"{f.key}_id") if f.ref else getattr(obj, f.key)
+        return {**values, **self._edges(obj)}
+
+    @staticmethod
+    def _edges(obj: Any) -> dict[str, Any]:
+        if obj.pk is None or getattr(obj, "_state", None) is None or obj._state.adding:
+            return {"after": [], "on": "success"}
+        edges = list(
+            BindingEdge.objects.filter(downstream_id=obj.pk)
+            .select_related("upstream")
+            .order_by("upstream__name")
+        )
+        on = edges[0].on.lower() if edges else "success"
+        return {"after": [e.upstream.name for e in edges], "on": on}
+
+    def assign(self, obj: Any, definition: Definition, refs: Mapping[str, Any]) -> None:
+        obj.name = definition.name
+        for f in self.fields:
+            if f.key not in self.edge_fields:
+                setattr(obj, f.key, refs[f.key] if f.ref else definition.values[f.key])
+        obj.managed_by = MANAGED_BY_FILES
+
+    def write_after(self, obj: Any, definition: Definition) -> None:
+        """The binding's upstream edges, once every binding of the apply is saved."""
+        names = list(definition.values["after"])
+        ups = {b.name: b for b in JobBinding.objects.filter(name__in=names)}
+        on = ChainOn(definition.values["on"].upper())
+        services.set_upstreams(obj, [(ups[n], on) for n in names])
 
     def keep_reason(self, obj: Any, deleting: Mapping[str, set[Any]]) -> str | None:
         live = obj.runs.filter(status__in=LIVE_STATUSES).count()

@@ -17,10 +17,11 @@ from typing import Any
 
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 
+from dispatch import services
 from dispatch.ascode.errors import DefinitionError, Problem, where
 from dispatch.ascode.kinds import Definition, Kind, all_kinds, secret_keys, stored_config
 from dispatch.ascode.loader import Document, dotted
-from dispatch.models import MANAGED_BY_FILES, SECRET_MASK
+from dispatch.models import MANAGED_BY_FILES, SECRET_MASK, BindingEdge
 from dispatch.security import limits
 
 FORMAT_VERSION = 1
@@ -162,6 +163,7 @@ def plan(documents: list[Document], *, prune: bool = False) -> Plan:
     problems.raise_if_any()
     existing = {k.key: {row.name: row for row in k.rows()} for k in kinds}
     _check_references(kinds, definitions, existing, problems)
+    _check_chains(definitions, existing, problems)
     problems.raise_if_any()
     for kind in kinds:
         for definition in definitions[kind.key].values():
@@ -422,6 +424,43 @@ def _check_references(
                         (f.key,),
                         f"no {label} named {target!r} in the files or the database",
                     )
+
+
+def _check_chains(
+    definitions: dict[str, dict[str, Definition]],
+    existing: dict[str, dict[str, Any]],
+    problems: _Problems,
+) -> None:
+    """A binding's `after` names bindings (in the files or the database), not itself, and
+    the edges the apply leaves form no cycle (the bindings the files define with theirs,
+    the others with their stored edges)."""
+    defined = definitions.get("bindings", {})
+    known = set(defined) | set(existing.get("bindings", {}))
+    edges: list[tuple[str, str]] = [
+        (up, down)
+        for up, down in BindingEdge.objects.values_list("upstream__name", "downstream__name")
+        if down not in defined
+    ]
+    for name, definition in defined.items():
+        for i, up in enumerate(definition.values.get("after") or []):
+            if not isinstance(up, str):
+                problems.at(definition, ("after", i), "must be the name of a binding")
+            elif up == name:
+                problems.at(definition, ("after", i), "a binding cannot wait for itself")
+            elif up not in known:
+                problems.at(
+                    definition,
+                    ("after", i),
+                    f"no binding named {up!r} in the files or the database",
+                )
+            else:
+                edges.append((up, name))
+    cycle = services.chain_cycle(edges)
+    if cycle is not None:
+        first = defined.get(cycle[-1]) or defined.get(cycle[0])
+        text = " -> ".join(cycle)
+        if first is not None:
+            problems.at(first, ("after",), f"these bindings would wait for each other: {text}")
 
 
 def _check_fixed(

@@ -28,6 +28,7 @@ from django.db.models import (
     IntegerField,
     OuterRef,
     Prefetch,
+    Q,
     QuerySet,
     Subquery,
 )
@@ -84,6 +85,7 @@ from dispatch.models import (
     Attempt,
     AttemptEvent,
     BindingCursor,
+    BindingEdge,
     BindingHealth,
     BulkOperation,
     BulkStatus,
@@ -872,7 +874,7 @@ class JobBindingAdmin(ManagedByFilesAdmin, querypermission.QueryPermissionAdmin,
     search_fields = ["name", "job__name", "source__name", "sink__name"]
     list_select_related = ["job", "source", "sink"]
     ordering = ["name"]
-    readonly_fields = ["created_at", "incremental_cursor", "health_state"]
+    readonly_fields = ["created_at", "incremental_cursor", "health_state", "chain_edges"]
     actions = [
         changelist_action(TRIGGER, "trigger"),
         changelist_action(_enable_spec("jobbinding", True), "change"),
@@ -896,6 +898,33 @@ class JobBindingAdmin(ManagedByFilesAdmin, querypermission.QueryPermissionAdmin,
                     "run__binding", run__binding=OuterRef("pk"), status=Status.RUNNING
                 ),
             )
+        )
+
+    @admin.display(description="chain")
+    def chain_edges(self, obj: JobBinding) -> SafeString:
+        """Its upstreams (what it waits for) and downstreams (what waits for it)."""
+        if obj.pk is None or obj._state.adding:
+            return format_html("<em>{}</em>", "none")
+        ups = BindingEdge.objects.filter(downstream_id=obj.pk).select_related("upstream")
+        downs = BindingEdge.objects.filter(upstream_id=obj.pk).select_related("downstream")
+
+        def row(label: str, edges: list[tuple[JobBinding, str]]) -> SafeString:
+            links = format_html_join(
+                ", ",
+                "{} ({})",
+                (
+                    (_link(self, "admin:dispatch_jobbinding_change", b.pk, b.name), on.lower())
+                    for b, on in edges
+                ),
+            )
+            return format_html(
+                '<div class="dsp-chain-{}">{}: {}</div>', label, label, links or "none"
+            )
+
+        return format_html(
+            "{}{}",
+            row("upstreams", [(e.upstream, e.on) for e in ups]),
+            row("downstreams", [(e.downstream, e.on) for e in downs]),
         )
 
     @admin.display(description="incremental cursor")
@@ -1077,6 +1106,7 @@ class RunAdmin(HistoryAdmin):
                     "cancel_requested_at",
                     "receipt",
                     "schema_changes_text",
+                    "chain",
                 ]
             },
         ),
@@ -1268,6 +1298,58 @@ class RunAdmin(HistoryAdmin):
     @admin.display(description="binding")
     def binding_link(self, obj: Run) -> SafeString:
         return _link(self, "admin:dispatch_jobbinding_change", obj.binding_id, obj.binding.name)
+
+    @admin.display(description="chain")
+    def chain(self, obj: Run) -> SafeString:
+        """The runs this run was caused by (its upstream bindings' runs in its chain) and
+        those it caused (its downstream bindings' runs), with their statuses."""
+        root = obj.chain_root
+        ups = BindingEdge.objects.filter(downstream_id=obj.binding_id).values_list(
+            "upstream_id", flat=True
+        )
+        downs = BindingEdge.objects.filter(upstream_id=obj.binding_id).values_list(
+            "downstream_id", flat=True
+        )
+        in_chain = Q(pk=root) | Q(chain_root_id=root)
+        caused_by = (
+            Run.objects.filter(in_chain, binding_id__in=list(ups)).select_related("binding")
+            if obj.chain_root_id is not None
+            else Run.objects.none()
+        )
+        caused = Run.objects.filter(chain_root_id=root, binding_id__in=list(downs)).select_related(
+            "binding"
+        )
+
+        def runs(label: str, slug: str, found: Any) -> SafeString:
+            links = format_html_join(
+                " ",
+                '<span class="dsp-chain-run">{} {}</span>',
+                (
+                    (
+                        _link(self, "admin:dispatch_run_change", r.pk, r.binding.name),
+                        status_badge(r.status),
+                    )
+                    for r in found.order_by("created_at")
+                ),
+            )
+            return format_html(
+                '<div class="dsp-chain-{}">{}: {}</div>', slug, label, links or "none"
+            )
+
+        head = format_html("")
+        if obj.chain_root_id is not None:
+            started = Run.objects.filter(pk=root).select_related("binding").first()
+            text = f"{started.binding.name} ({started.trigger.lower()})" if started else "deleted"
+            head = format_html(
+                '<div class="dsp-chain-root">chain begun by: {}</div>',
+                _link(self, "admin:dispatch_run_change", root, text) if started else text,
+            )
+        return format_html(
+            "{}{}{}",
+            head,
+            runs("caused by", "upstream", caused_by),
+            runs("caused", "downstream", caused),
+        )
 
     @admin.display(description="slice of")
     def slice_link(self, obj: Run) -> SafeString:

@@ -71,6 +71,7 @@ BLOCKED_HINT: dict[str, str] = {
     BlockedReason.SOURCE_DISABLED: "enable the source datasource",
     BlockedReason.SINK_DISABLED: "enable the sink datasource",
     BlockedReason.BINDING_AT_CAPACITY: "waits for a running attempt of the binding to end",
+    BlockedReason.WAITING_UPSTREAM: "starts when its other upstream runs of the chain end",
 }
 # Bars of the overview chart: one colour per terminal run status.
 CHART_ORDER: tuple[str, ...] = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)

@@ -21,9 +21,11 @@ from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
+from dispatch import services
 from dispatch.connectors import registry
 from dispatch.connectors.base import ConfigField, Connector
-from dispatch.models import SECRET_MASK, Datasource, Job, JobBinding
+from dispatch.core.states import ChainOn
+from dispatch.models import SECRET_MASK, BindingEdge, Datasource, Job, JobBinding
 from dispatch.models.core import HASH_KEY_MIN_CHARS
 from dispatch.security import crypto, jsondepth
 
@@ -416,6 +418,22 @@ class BindingForm(forms.ModelForm):  # type: ignore[type-arg]
         ),
     )
     clear_hash_key = forms.BooleanField(required=False, label="Forget the hash key")
+    after = forms.ModelMultipleChoiceField(
+        queryset=JobBinding.objects.order_by("name"),
+        required=False,
+        label="After",
+        help_text=(
+            "The bindings this one waits for: a run of each, in one chain, must end as "
+            "below before this binding's run of that chain starts."
+        ),
+    )
+    on = forms.ChoiceField(
+        choices=ChainOn.choices,
+        initial=ChainOn.SUCCESS,
+        required=False,
+        label="Starts",
+        help_text="on success: every upstream run succeeded; on completion: it ended at all.",
+    )
 
     class Meta:
         model = JobBinding
@@ -425,6 +443,13 @@ class BindingForm(forms.ModelForm):  # type: ignore[type-arg]
         super().__init__(*args, **kwargs)
         stored = bool(self.instance.hash_key_ciphertext)
         self.fields["hash_key"].label = "Hash key (one is stored)" if stored else "Hash key"
+        after: Any = self.fields["after"]
+        if self.instance.pk is not None and not self.instance._state.adding:
+            after.queryset = after.queryset.exclude(pk=self.instance.pk)
+            edges = list(BindingEdge.objects.filter(downstream_id=self.instance.pk))
+            self.initial.setdefault("after", [e.upstream_id for e in edges])
+            if edges:
+                self.initial.setdefault("on", edges[0].on)
 
     def clean(self) -> dict[str, Any]:
         data: dict[str, Any] = super().clean() or {}
@@ -433,7 +458,41 @@ class BindingForm(forms.ModelForm):  # type: ignore[type-arg]
             self.add_error("clear_hash_key", "give a new hash key or forget it, not both")
         elif key and len(key) < HASH_KEY_MIN_CHARS:
             self.add_error("hash_key", f"must be at least {HASH_KEY_MIN_CHARS} characters")
+        cycle = self._cycle(list(data.get("after") or []))
+        if cycle:
+            self.add_error("after", f"these upstreams would form a cycle: {cycle}")
         return data
+
+    def _cycle(self, after: list[JobBinding]) -> str | None:
+        """The cycle the chosen upstreams would close, by name (checked again under the
+        edges' lock when saved: `services.set_upstreams`)."""
+        if not after or self.instance._state.adding:
+            return None  # a new binding has no downstream edges: it closes no cycle
+        me = str(self.instance.pk)
+        edges = [
+            (str(up), str(down))
+            for up, down in BindingEdge.objects.exclude(downstream_id=self.instance.pk).values_list(
+                "upstream_id", "downstream_id"
+            )
+        ] + [(str(b.pk), me) for b in after]
+        cycle = services.chain_cycle(edges)
+        if cycle is None:
+            return None
+        ring = cycle[:-1]
+        start = ring.index(me) if me in ring else 0
+        ring = ring[start:] + ring[:start] + [ring[start]]
+        names = {
+            str(k): v for k, v in JobBinding.objects.filter(pk__in=ring).values_list("pk", "name")
+        }
+        names[me] = self.cleaned_data.get("name") or self.instance.name
+        return " -> ".join(names.get(n, n) for n in ring)
+
+    def _save_m2m(self) -> None:
+        super()._save_m2m()  # type: ignore[misc]
+        on = self.cleaned_data.get("on") or ChainOn.SUCCESS
+        services.set_upstreams(
+            self.instance, [(b, on) for b in self.cleaned_data.get("after") or []]
+        )
 
     def save(self, commit: bool = True) -> JobBinding:
         binding: JobBinding = super().save(commit=False)

@@ -34,6 +34,7 @@ FUNCTION_FILES = (
     "events.sql",
     "settle.sql",
     "slices.sql",
+    "chains.sql",
     "recover.sql",
     "heartbeat.sql",
     "queue.sql",

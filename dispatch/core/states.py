@@ -113,3 +113,17 @@ class BlockedReason(models.TextChoices):
     SOURCE_DISABLED = "SOURCE_DISABLED", "Source datasource disabled"
     SINK_DISABLED = "SINK_DISABLED", "Sink datasource disabled"
     BINDING_AT_CAPACITY = "BINDING_AT_CAPACITY", "Binding at max_concurrency"
+    # In: the settlement of one upstream of a fan-in while others of its chain have not
+    # ended as their edge asks (dispatch_chain_fire, chains.sql). Out: the settlement of
+    # its last such upstream (-> the binding's own mark or none), an operator cancel.
+    # No other marking touches it (marks.sql, capacity.sql).
+    WAITING_UPSTREAM = "WAITING_UPSTREAM", "Waiting for upstream runs"
+
+
+class ChainOn(models.TextChoices):
+    """When an edge (`BindingEdge.on`) fires its downstream binding."""
+
+    # The upstream run ended SUCCEEDED.
+    SUCCESS = "SUCCESS", "on success"
+    # The upstream run ended at all: SUCCEEDED, FAILED or CANCELLED.
+    COMPLETION = "COMPLETION", "on completion"

@@ -17,12 +17,13 @@ from dispatch.http import reads
 from dispatch.http.auth import require, require_binding
 from dispatch.http.problems import Problem
 from dispatch.http.schemas import (
-    BindingOut,
+    BindingDetail,
     BindingPage,
     CursorIn,
     CursorResult,
     RunDetail,
     TriggerIn,
+    binding_detail,
     binding_out,
     responses,
     run_detail,
@@ -47,12 +48,14 @@ def list_bindings(request: HttpRequest, filters: Query[BindingFilters]) -> Bindi
     return BindingPage(items=[binding_out(b) for b in page.items], next_cursor=page.next_cursor)
 
 
-@router.get("/{ref}", response=responses({200: BindingOut}), summary="Read a binding")
-def read_binding(request: HttpRequest, ref: str) -> BindingOut:
+@router.get("/{ref}", response=responses({200: BindingDetail}), summary="Read a binding")
+def read_binding(request: HttpRequest, ref: str) -> BindingDetail:
+    """A binding with its health, cursor and edges (`after`: what it waits for;
+    `before`: what waits for it)."""
     who = require(request, VIEW)
     binding = reads.find_binding(ref)
     require_binding(who, binding)
-    return binding_out(binding)
+    return binding_detail(binding)
 
 
 @router.post(

@@ -16,7 +16,7 @@ from pydantic import Field
 
 from dispatch.api import MAX_KEY_LENGTH
 from dispatch.core.states import TERMINAL_RUN_STATUSES
-from dispatch.models import Attempt, BindingCursor, BindingHealth, JobBinding, Run
+from dispatch.models import Attempt, BindingCursor, BindingEdge, BindingHealth, JobBinding, Run
 
 
 class HealthOut(Schema):
@@ -57,6 +57,18 @@ class BindingOut(Schema):
     health: HealthOut | None
     # None: no cursor recorded (not incremental, or nothing committed yet).
     cursor: CursorOut | None
+
+
+class EdgeOut(Schema):
+    # The other binding of the edge, and when it fires: SUCCESS or COMPLETION.
+    binding: str
+    on: str
+
+
+class BindingDetail(BindingOut):
+    # The bindings it waits for (upstreams) and those that wait for it (downstreams).
+    after: list[EdgeOut]
+    before: list[EdgeOut]
 
 
 class BindingPage(Schema):
@@ -203,6 +215,19 @@ def binding_out(binding: JobBinding) -> BindingOut:
         created_at=binding.created_at,
         health=health_out(binding),
         cursor=cursor_out(binding),
+    )
+
+
+def binding_detail(binding: JobBinding) -> BindingDetail:
+    """A binding with its edges (two indexed reads)."""
+    ups = BindingEdge.objects.filter(downstream_id=binding.pk).select_related("upstream")
+    downs = BindingEdge.objects.filter(upstream_id=binding.pk).select_related("downstream")
+    return BindingDetail(
+        **binding_out(binding).dict(),
+        after=[EdgeOut(binding=e.upstream.name, on=e.on) for e in ups.order_by("upstream__name")],
+        before=[
+            EdgeOut(binding=e.downstream.name, on=e.on) for e in downs.order_by("downstream__name")
+        ],
     )
 
 

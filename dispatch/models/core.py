@@ -20,6 +20,7 @@ from dispatch.core.states import (
     LIVE_STATUSES,
     TERMINAL_RUN_STATUSES,
     BlockedReason,
+    ChainOn,
     Origin,
     Reason,
     Status,
@@ -428,6 +429,50 @@ class JobBinding(models.Model):
             raise ValidationError(errors)
 
 
+class BindingEdge(models.Model):
+    """A binding that waits for another: when a run of `upstream` ends as `on` asks, the
+    settlement that ends it creates the run of `downstream` in the same transaction
+    (dispatch_chain_fire, docs/architecture.md, "Chains"). A downstream with several
+    upstreams runs once all of them, within one chain, have. Cycles are refused at save
+    and by a table trigger."""
+
+    id = models.BigAutoField(primary_key=True)
+    # No index of its own: dispatch_bindingedge_uniq (upstream, downstream) leads with it.
+    upstream = models.ForeignKey(
+        JobBinding, on_delete=models.CASCADE, related_name="downstream_edges", db_index=False
+    )
+    downstream = models.ForeignKey(
+        JobBinding, on_delete=models.CASCADE, related_name="upstream_edges", db_index=False
+    )
+    # "on" is a reserved word in SQL: the column is on_status.
+    on = models.CharField(
+        max_length=20, choices=ChainOn.choices, default=ChainOn.SUCCESS, db_column="on_status"
+    )
+    created_at = models.DateTimeField(db_default=Now(), editable=False)
+
+    class Meta:
+        ordering = ["downstream", "upstream"]
+        verbose_name = "binding edge"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["upstream", "downstream"], name="dispatch_bindingedge_uniq"
+            ),
+            models.CheckConstraint(
+                condition=~Q(upstream=models.F("downstream")), name="dispatch_bindingedge_not_self"
+            ),
+            models.CheckConstraint(
+                condition=Q(on__in=ChainOn.values), name="dispatch_bindingedge_on_valid"
+            ),
+        ]
+        indexes = [
+            # A fan-in's upstreams: the edges into one binding (dispatch_chain_fire).
+            models.Index(fields=["downstream"], name="dispatch_bindingedge_down_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.upstream} -> {self.downstream} ({self.on})"
+
+
 class RunQuerySet(models.QuerySet["Run"]):
     def live(self) -> RunQuerySet:
         return self.filter(status__in=LIVE_STATUSES)
@@ -472,6 +517,10 @@ class Run(models.Model):
         editable=False,
     )
     slice_number = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    # A run an upstream's settlement created (BindingEdge): the run that began its chain
+    # (a trigger's run: schedule, manual, API). NULL: this run began a chain itself. A
+    # plain UUID, not a foreign key: retention may delete the root before its chain.
+    chain_root_id = models.UUIDField(null=True, blank=True, editable=False)
 
     objects = RunQuerySet.as_manager()
 
@@ -510,6 +559,14 @@ class Run(models.Model):
             models.CheckConstraint(
                 condition=Q(parent__isnull=True) | ~Q(status=Status.WAITING),
                 name="dispatch_run_slice_not_waiting",
+            ),
+            # One run per binding in a chain: the key that makes every edge fire once
+            # (dispatch_chain_fire inserts ON CONFLICT DO NOTHING), and the lookup of a
+            # chain's runs (the fan-in's upstreams, the console's chain).
+            models.UniqueConstraint(
+                fields=["chain_root_id", "binding"],
+                condition=Q(chain_root_id__isnull=False),
+                name="dispatch_run_chain_uniq",
             ),
         ]
         indexes = [
@@ -550,6 +607,11 @@ class Run(models.Model):
     @property
     def is_slice(self) -> bool:
         return self.parent_id is not None
+
+    @property
+    def chain_root(self) -> uuid.UUID:
+        """The run that began this run's chain (itself when it began one)."""
+        return self.chain_root_id or self.id
 
 
 class SlicePlan(models.Model):

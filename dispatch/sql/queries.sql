@@ -191,3 +191,15 @@ SELECT b.hash_key_ciphertext, b.id
   JOIN dispatch_run r ON r.id = a.run_id
   JOIN dispatch_jobbinding b ON b.id = r.binding_id
  WHERE a.id = %(attempt)s AND a.lease_token = %(token)s AND a.status = 'RUNNING';
+
+-- name: chain_fire
+-- The edges of a run an operator's action ended (dispatch_chain_fire, chains.sql), in
+-- that action's transaction, after the run's status is written. Returns the downstream
+-- runs made eligible, for the wake-ups after commit.
+SELECT dispatch_chain_fire(%(run)s::uuid, %(status)s, clock_timestamp());
+
+-- name: lock_edges
+-- Before any write to dispatch_bindingedge: edits of edges check for cycles one after the
+-- other (the table trigger dispatch_bindingedge_no_cycle takes the same lock; taking it
+-- first means no transaction upgrades its lock while another waits for it).
+SELECT dispatch_lock_edges();

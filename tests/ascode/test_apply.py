@@ -430,3 +430,55 @@ def test_plan__takes_data_parsed_elsewhere() -> None:
             "message": "this field is required",
         },
     ]
+
+
+CHAIN = textwrap.dedent("""
+    datasources:
+      gen:
+        kind: generate
+      void:
+        kind: "null"
+    jobs:
+      copy:
+        source_spec: {rows: 1, batch: 1}
+    bindings:
+      dims:
+        job: copy
+        source: gen
+        sink: void
+      facts:
+        job: copy
+        source: gen
+        sink: void
+        after: [dims]
+        on: completion
+""").lstrip("\n")
+
+
+def test_apply__after_writes_the_edges_and_a_cycle_is_refused_naming_it(
+    write: Callable[..., str],
+) -> None:
+    from dispatch.models import BindingEdge
+
+    ran = run_command("dispatch_apply", write(CHAIN, "chain.yaml"))
+    assert ran.error is None, ran.err
+    (edge,) = BindingEdge.objects.all()
+    assert (edge.upstream.name, edge.downstream.name, edge.on) == ("dims", "facts", "COMPLETION")
+    # The same files again: nothing to write.
+    assert not plan_text(CHAIN).has_changes
+
+    cyclic = CHAIN.replace(
+        "    sink: void\n  facts:", "    sink: void\n    after: [facts]\n  facts:"
+    )
+    assert cyclic != CHAIN
+    ran = run_command("dispatch_apply", write(cyclic, "cycle.yaml"))
+    assert ran.error is not None
+    assert re.search(
+        r"these bindings would wait for each other: (dims|facts) -> \w+ -> \1", ran.err
+    ), ran.err
+    assert BindingEdge.objects.count() == 1
+
+    ran = run_command("dispatch_export")
+    assert re.search(
+        r"facts:\n(    .*\n)*    after:\n    - dims\n(    .*\n)*    'on': completion", ran.out
+    ), ran.out

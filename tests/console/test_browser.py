@@ -404,3 +404,39 @@ def test_browser__retry_all_matching_then_follow_the_bulk_operation(page: Any) -
     assert page.evaluate("document.documentElement.scrollWidth") <= 1280
     SCREENSHOTS.mkdir(exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "bulk-operation.png"), full_page=True)
+
+
+def test_browser__a_run_page_draws_its_chain(page: Any) -> None:
+    """A fan-in caught half-way: dims-a -> facts and dims-b -> facts, dims-a succeeded,
+    dims-b still queued; the page of dims-a's run shows the run it caused (facts,
+    waiting for its other upstream), and facts' page the runs it was caused by."""
+    from dispatch.models import BindingEdge
+
+    root_b = binding("nightly-start", {"rows": 1, "batch": 1})
+    dims_a = binding("dims-customers", {"rows": 1, "batch": 1})
+    dims_b = binding("dims-products", {"rows": 1, "batch": 1})
+    facts = binding("facts-orders", {"rows": 1, "batch": 1})
+    for up, down in ((root_b, dims_a), (root_b, dims_b), (dims_a, facts), (dims_b, facts)):
+        BindingEdge.objects.create(upstream=up, downstream=down)
+    root = services.trigger(root_b)
+
+    def finish(run: Run) -> None:
+        [c] = claims.claim("browser-chain", run_id=run.id, limit=1, generic=False)
+        claims.settle(c.attempt_id, c.lease_token, "SUCCEEDED", rows_read=1, rows_written=1)
+
+    finish(root)
+    finish(Run.objects.get(binding=dims_a, chain_root_id=root.id))
+    waiting = Run.objects.get(binding=facts, chain_root_id=root.id)
+    page.goto(f"{page.base}/admin/dispatch/run/{waiting.id}/change/")
+    page.wait_for_selector(".dsp-chain-upstream")
+    assert "dims-customers" in page.inner_text(".dsp-chain-upstream")
+    assert "nightly-start" in page.inner_text(".dsp-chain-root")
+    assert "Waiting for upstream runs" in page.inner_text("body")
+    a_run = Run.objects.get(binding=dims_a, chain_root_id=root.id)
+    page.goto(f"{page.base}/admin/dispatch/run/{a_run.id}/change/")
+    page.wait_for_selector(".dsp-chain-downstream")
+    assert "facts-orders" in page.inner_text(".dsp-chain-downstream")
+    SCREENSHOTS.mkdir(exist_ok=True)
+    page.goto(f"{page.base}/admin/dispatch/run/{waiting.id}/change/")
+    page.wait_for_selector(".dsp-chain-upstream")
+    page.screenshot(path=str(SCREENSHOTS / "run-chain.png"), full_page=True)

@@ -14,7 +14,7 @@ from openapi_spec_validator import validate
 
 from dispatch import services
 from dispatch.core.states import Status
-from dispatch.models import BindingCursor, BindingHealth, Run
+from dispatch.models import BindingCursor, BindingEdge, BindingHealth, Run
 from tests.http.conftest import ALL, call, make_token, make_user
 from tests.http.test_auth import assert_problem
 from tests.support.factories import BindingFactory, DatasourceFactory, JobFactory
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def test_bindings__list_and_read_with_health_and_cursor(http: Any, operator_token: str) -> None:
     a = BindingFactory(name="a-orders")
-    BindingFactory(name="b-users")
+    b = BindingFactory(name="b-users")
+    BindingEdge.objects.create(upstream=b, downstream=a, on="COMPLETION")
     BindingHealth.objects.create(binding=a, state="WARNED", consecutive_failures=3, reason="boom")
     BindingCursor.objects.create(
         binding=a, columns=["updated_at"], cursor=["2024-01-01"], version=4
@@ -37,6 +38,7 @@ def test_bindings__list_and_read_with_health_and_cursor(http: Any, operator_toke
     assert one["health"]["consecutive_failures"] == 3
     assert one["cursor"]["cursor"] == ["2024-01-01"] and one["cursor"]["version"] == 4
     assert one["job"] == a.job.name and one["source"] == a.source.name
+    assert one["after"] == [{"binding": "b-users", "on": "COMPLETION"}] and one["before"] == []
     by_id = http("GET", f"/bindings/{a.pk}", token=operator_token).json
     assert by_id == one
     assert http("GET", "/bindings/b-users", token=operator_token).json["health"] is None

@@ -1,6 +1,8 @@
 -- Eligibility kept on the attempt row: blocked_reason says what blocks a queued
 -- (PENDING) attempt: something disabled (JOB_, BINDING_, SOURCE_, SINK_DISABLED) or its
--- binding's capacity (BINDING_AT_CAPACITY, capacity.sql). Only unmarked attempts are in
+-- binding's capacity (BINDING_AT_CAPACITY, capacity.sql), or upstream runs of its chain
+-- that have not ended (WAITING_UPSTREAM, chains.sql: written and cleared there only; it
+-- sorts after every other mark, outside the refresh's probes). Only unmarked attempts are in
 -- dispatch_attempt_ready_idx, the claim's walk; dispatch_attempt_queued_idx
 -- (binding_id, blocked_reason, available_at) WHERE status = 'PENDING' finds a binding's
 -- queued attempts for the marking below.
@@ -41,10 +43,13 @@ BEGIN
            AND a.blocked_reason IN ('JOB_DISABLED', 'BINDING_DISABLED',
                                     'SOURCE_DISABLED', 'SINK_DISABLED');
     ELSE
+        -- WAITING_UPSTREAM stays: only its chain's settlement clears it (chains.sql); a
+        -- disabled mark in its place would let an enable start the run too early.
         UPDATE dispatch_attempt a SET blocked_reason = v_reason
          WHERE a.id IN (SELECT x.id FROM dispatch_attempt x
                          WHERE x.binding_id = p_binding AND x.status = 'PENDING'
                            AND x.blocked_reason IS DISTINCT FROM v_reason
+                           AND x.blocked_reason IS DISTINCT FROM 'WAITING_UPSTREAM'
                            FOR UPDATE SKIP LOCKED);
     END IF;
     GET DIAGNOSTICS v_count = ROW_COUNT;

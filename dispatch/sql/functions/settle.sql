@@ -3,7 +3,9 @@
 --
 -- Lock order as in claim.sql: the run FOR UPDATE, then the attempt FOR UPDATE; a slice
 -- run's terminal settlement then locks its parent run and the parent's plan
--- (dispatch_slice_settled, slices.sql: a slice before its parent). A settlement commits
+-- (dispatch_slice_settled, slices.sql: a slice before its parent); a run's terminal
+-- settlement then locks its downstream runs (dispatch_chain_fire, chains.sql: an upstream
+-- before its downstream runs). A settlement commits
 -- nothing else first; the claim that follows it in the same
 -- transaction never waits for a run or an attempt (SKIP LOCKED), so it adds no wait to
 -- that order.
@@ -140,6 +142,9 @@ BEGIN
                 v_run.parent_id, v_run.slice_number, v_status,
                 coalesce(p_rows_written, v_att.rows_written),
                 coalesce(nullif(coalesce(p_error, v_att.error), ''), v_reason), v_now);
+        ELSE
+            -- The run ended: its downstream runs, in this transaction (chains.sql).
+            PERFORM dispatch_chain_fire(v_run.id, v_status, v_now);
         END IF;
     END IF;
     RETURN v_status;

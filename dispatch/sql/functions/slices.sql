@@ -177,8 +177,9 @@ $$;
 --     Siblings already started run to their end (their rows commit, which a retry then
 --     need not redo); no new slice starts;
 --   * otherwise the next slice starts (as many as max_slices_in_flight leaves room for).
--- A parent already FAILED or CANCELLED only counts (a sibling finishing after the
--- decision). Generic plans (as the claim): every statement is a primary-key or unique
+-- A parent that ends fires its edges (dispatch_chain_fire, chains.sql) in this
+-- transaction. A parent already FAILED or CANCELLED only counts (a sibling finishing
+-- after the decision). Generic plans (as the claim): every statement is a primary-key or unique
 -- index lookup, and a custom plan per call would read the statistics each time.
 CREATE OR REPLACE FUNCTION dispatch_slice_settled(
     p_parent uuid, p_number integer, p_status text, p_rows bigint, p_error text,
@@ -216,15 +217,18 @@ BEGIN
     END IF;
     IF v_plan.succeeded >= v_plan.total THEN
         UPDATE dispatch_run SET status = 'SUCCEEDED', finished_at = p_now WHERE id = p_parent;
+        PERFORM dispatch_chain_fire(p_parent, 'SUCCEEDED', p_now);
     ELSIF v_parent.cancel_requested_at IS NOT NULL THEN
         IF v_plan.live = 0 THEN
             UPDATE dispatch_run SET status = 'CANCELLED', finished_at = p_now
              WHERE id = p_parent;
+            PERFORM dispatch_chain_fire(p_parent, 'CANCELLED', p_now);
         END IF;
     ELSIF p_status <> 'SUCCEEDED' THEN
         SELECT * INTO v_slice FROM dispatch_slice
          WHERE parent_id = p_parent AND number = p_number;
         UPDATE dispatch_run SET status = 'FAILED', finished_at = p_now WHERE id = p_parent;
+        PERFORM dispatch_chain_fire(p_parent, 'FAILED', p_now);
         UPDATE dispatch_sliceplan
            SET error = format('slice %s of %s (%s): %s', p_number, v_plan.total,
                               dispatch_slice_label(v_plan.key, v_slice.lower, v_slice.upper),
