@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.gates import Holders
 from tests.support.mariadb import MyDB, scratch, start_server
 from tests.support.processes import Processes
 from tools.mariadb import MariaDB
@@ -20,6 +21,17 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
         yield procs
     finally:
         procs.stop_all()
+
+
+@pytest.fixture
+def holders() -> Iterator[Holders]:
+    """Sessions that hold the locks a worker process waits on (tests/support/gates.py),
+    closed at the end of the test."""
+    held = Holders()
+    try:
+        yield held
+    finally:
+        held.close_all()
 
 
 @pytest.fixture(scope="session")

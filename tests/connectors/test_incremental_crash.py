@@ -13,14 +13,26 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
-import psycopg
 import pytest
 
 from dispatch.core.states import Reason, Status
-from dispatch.models import Attempt, BindingCursor, Datasource, Run
+from dispatch.models import Attempt, BindingCursor, Run
 from tests.support import factories
-from tests.support.connectors import ScratchDB, connect, scratch_db
-from tests.support.processes import Processes, test_database_url, wait_until
+from tests.support.connectors import ScratchDB, scratch_db
+from tests.support.gates import (
+    Holders,
+    Proc,
+    Session,
+    crash_binding,
+    gate_table,
+    kill_in_settlement,
+    kill_while_held,
+    stopped,
+    succeed,
+    succeeded,
+    waiting_on,
+)
+from tests.support.processes import Processes, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -45,21 +57,14 @@ def _setup(src: ScratchDB, dst: ScratchDB) -> Any:
     _add_rows(src, 1, ROWS)
     # The sink's rows reference a gate row: a session holding 'b' FOR UPDATE stops the
     # COPY at the first row that needs it (the foreign-key check), in the middle.
-    dst.execute("CREATE TABLE gate (name text PRIMARY KEY)")
-    dst.execute("INSERT INTO gate VALUES ('a'), ('b')")
+    gate_table(dst)
     dst.execute("CREATE TABLE copy (id bigint, updated_at timestamptz, gate text REFERENCES gate)")
-    source = Datasource(name="inc-src", kind="postgresql", config=src.config)
-    source.save()
-    sink = Datasource(name="inc-sink", kind="postgresql", config=dst.config)
-    sink.save()
-    job = factories.JobFactory(
-        source_spec={"table": "items", "incremental": {"cursor": ["updated_at", "id"]}},
-        sink_spec={"table": "copy", "mode": "append"},
-        lease_seconds=2,
-        max_attempts=5,
-        backoff_seconds=0,
+    return crash_binding(
+        ("postgresql", src.config),
+        ("postgresql", dst.config),
+        {"table": "items", "incremental": {"cursor": ["updated_at", "id"]}},
+        {"table": "copy", "mode": "append"},
     )
-    return factories.BindingFactory(job=job, source=source, sink=sink)
 
 
 def _add_rows(src: ScratchDB, first: int, last: int) -> None:
@@ -99,83 +104,27 @@ def _sink_backends(dst: ScratchDB) -> list[int]:
     ]
 
 
-def _waiting_on(dst: ScratchDB, holder: psycopg.Connection[Any]) -> list[int]:
-    return [
-        r[0]
-        for r in dst.execute(
-            "SELECT pid FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
-            [holder.info.backend_pid],
-        )
-    ]
-
-
-@pytest.fixture
-def holders() -> Iterator[list[psycopg.Connection[Any]]]:
-    """Sessions that hold locks; closed whatever the test's outcome (an open one would
-    stop the teardown's TRUNCATE or DROP DATABASE)."""
-    opened: list[psycopg.Connection[Any]] = []
-    yield opened
-    for conn in opened:
-        conn.close()
-
-
-def _holder(holders: list[psycopg.Connection[Any]], db: ScratchDB) -> psycopg.Connection[Any]:
-    """A session of our own in `db`, in a transaction (to hold a lock)."""
-    conn = connect(db.name, autocommit=False)
-    holders.append(conn)
-    return conn
-
-
 def _gated_run(
-    src: ScratchDB,
-    dst: ScratchDB,
-    processes: Processes,
-    holders: list[psycopg.Connection[Any]],
-    worker_id: str,
-) -> tuple[Any, psycopg.Connection[Any], Run, Any]:
+    src: ScratchDB, dst: ScratchDB, processes: Processes, holders: Holders, worker_id: str
+) -> tuple[Any, Session, Run, Proc]:
     """The binding, a session holding the gate row, a run and the worker `worker_id`
     whose COPY will wait on that row: (binding, gate session, run, worker process)."""
     binding = _setup(src, dst)
-    gate = _holder(holders, dst)
-    gate.execute("SELECT 1 FROM gate WHERE name = 'b' FOR UPDATE")
+    gate = holders.gate(dst)
     run = factories.trigger(binding)
     return binding, gate, run, processes.worker("--worker-id", worker_id)
-
-
-def _succeed(processes: Processes, run: Run, name: str) -> Any:
-    worker = processes.worker("--worker-id", name)
-    wait_until(
-        lambda: Run.objects.filter(pk=run.pk, status=Status.SUCCEEDED).exists(),
-        timeout=60,
-        message=f"{name} completes the run",
-    )
-    return worker
-
-
-def _kill_while_held(
-    processes: Processes, dst: ScratchDB, holder: psycopg.Connection[Any], worker: Any
-) -> None:
-    """Kill the worker while its sink session waits on `holder`, end that session (a
-    dead client's statement would otherwise go on once the lock is free), let go."""
-    wait_until(lambda: _waiting_on(dst, holder), timeout=60, message="the sink session waits")
-    worker.send_signal(signal.SIGKILL)
-    worker.wait(10)
-    for pid in _waiting_on(dst, holder):
-        dst.execute("SELECT pg_terminate_backend(%s)", [pid])
-    holder.rollback()
-    holder.close()
 
 
 def test_incremental__killed_in_the_middle_of_the_copy(
     src_db: ScratchDB,
     dst_db: ScratchDB,
     processes: Processes,
-    holders: list[psycopg.Connection[Any]],
+    holders: Holders,
 ) -> None:
     binding, holder, run, doomed = _gated_run(src_db, dst_db, processes, holders, "doomed")
-    _kill_while_held(processes, dst_db, holder, doomed)
+    kill_while_held(dst_db, holder, doomed)
     assert dst_db.execute("SELECT count(*) FROM copy") == [(0,)]  # nothing committed
-    _succeed(processes, run, "successor")
+    succeed(processes, run, "successor")
     _assert_exactly_once(src_db, dst_db, binding)
     attempts = list(Attempt.objects.filter(run=run).order_by("number"))
     first, last = attempts[0], attempts[-1]
@@ -189,7 +138,7 @@ def test_incremental__killed_after_reading_every_row_before_the_commit(
     src_db: ScratchDB,
     dst_db: ScratchDB,
     processes: Processes,
-    holders: list[psycopg.Connection[Any]],
+    holders: Holders,
 ) -> None:
     binding = _setup(src_db, dst_db)
     # The first commit of a binding's cursor inserts its row: a holder that inserted the
@@ -199,16 +148,16 @@ def test_incremental__killed_after_reading_every_row_before_the_commit(
         " cursor text[], version bigint NOT NULL DEFAULT 0, run_id uuid, attempt_id uuid,"
         " committed_at timestamptz)"
     )
-    holder = _holder(holders, dst_db)
+    holder = holders.session(dst_db)
     holder.execute("INSERT INTO dispatch_cursor (binding_id) VALUES (%s)", [binding.pk])
     run = factories.trigger(binding)
     doomed = processes.worker("--worker-id", "doomed")
-    wait_until(lambda: _waiting_on(dst_db, holder), timeout=60, message="the commit waits")
+    wait_until(lambda: waiting_on(dst_db, holder), timeout=60, message="the commit waits")
     progress = dst_db.execute("SELECT count(*) FROM pg_stat_progress_copy")
     assert progress == [(0,)]  # the COPY is over: every row was read and sent
-    _kill_while_held(processes, dst_db, holder, doomed)
+    kill_while_held(dst_db, holder, doomed)
     assert dst_db.execute("SELECT count(*) FROM copy") == [(0,)]
-    _succeed(processes, run, "successor")
+    succeed(processes, run, "successor")
     _assert_exactly_once(src_db, dst_db, binding)
 
 
@@ -216,15 +165,13 @@ def test_incremental__killed_after_the_sink_commit_before_settlement_then_contin
     src_db: ScratchDB,
     dst_db: ScratchDB,
     processes: Processes,
-    holders: list[psycopg.Connection[Any]],
+    holders: Holders,
 ) -> None:
     binding, gate, run, doomed = _gated_run(src_db, dst_db, processes, holders, "doomed")
-    wait_until(lambda: _waiting_on(dst_db, gate), timeout=60, message="the COPY waits")
+    wait_until(lambda: waiting_on(dst_db, gate), timeout=60, message="the COPY waits")
     # Claimed and copying: now hold the run row, so the settlement (which locks the run
     # first) waits and the window between the sink commit and the outcome stays open.
-    holder = psycopg.connect(test_database_url())
-    holders.append(holder)
-    holder.execute("SELECT 1 FROM dispatch_run WHERE id = %s FOR UPDATE", [run.id])
+    holder = holders.run_row(run)
     gate.rollback()
     wait_until(
         lambda: (
@@ -235,25 +182,8 @@ def test_incremental__killed_after_the_sink_commit_before_settlement_then_contin
         timeout=60,
         message="the sink commit",
     )
-    blocked = (
-        "SELECT pid FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))"
-        " AND query ILIKE '%%settle%%'"
-    )
-    with psycopg.connect(test_database_url(), autocommit=True) as admin:
-        wait_until(
-            lambda: admin.execute(blocked, [holder.info.backend_pid]).fetchall(),
-            message="the settlement waiting on the run lock",
-        )
-        doomed.send_signal(signal.SIGKILL)
-        doomed.wait(10)
-        admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE %s = ANY(pg_blocking_pids(pid))",
-            [holder.info.backend_pid],
-        )
-    holder.rollback()
-    holder.close()
-    successor = _succeed(processes, run, "successor")
+    kill_in_settlement(holder, doomed)
+    successor = succeed(processes, run, "successor")
     attempts = list(Attempt.objects.filter(run=run).order_by("number"))
     assert [(a.status, a.reason) for a in attempts] == [
         (Status.RETRY_SCHEDULED, Reason.LEASE_EXPIRED),
@@ -266,11 +196,7 @@ def test_incremental__killed_after_the_sink_commit_before_settlement_then_contin
     # The next run starts from that cursor: only the new rows, each once.
     _add_rows(src_db, ROWS + 1, ROWS + 300)
     nxt = factories.trigger(binding)
-    wait_until(
-        lambda: Run.objects.filter(pk=nxt.pk, status=Status.SUCCEEDED).exists(),
-        timeout=60,
-        message="the next run",
-    )
+    succeeded(nxt, message="the next run")
     attempt = Attempt.objects.get(run=nxt)
     assert attempt.cursor_from == copy.cursor and attempt.rows_written == 300
     assert attempt.cursor_to == [attempt.cursor_to[0], str(ROWS + 300)]
@@ -285,24 +211,21 @@ def test_incremental__stopped_past_its_lease_while_a_successor_commits(
     src_db: ScratchDB,
     dst_db: ScratchDB,
     processes: Processes,
-    holders: list[psycopg.Connection[Any]],
+    holders: Holders,
 ) -> None:
-    binding, holder, run, stopped = _gated_run(src_db, dst_db, processes, holders, "stopped")
-    wait_until(lambda: _waiting_on(dst_db, holder), timeout=60, message="A's COPY waits")
-    stopped_pid = _waiting_on(dst_db, holder)[0]
-    stopped.send_signal(signal.SIGSTOP)
-    try:
+    binding, holder, run, worker = _gated_run(src_db, dst_db, processes, holders, "stopped")
+    wait_until(lambda: waiting_on(dst_db, holder), timeout=60, message="A's COPY waits")
+    stopped_pid = waiting_on(dst_db, holder)[0]
+    with stopped(worker):
         # A's session holds only shared locks (its rows are uncommitted, the table has no
         # unique index): the successor copies beside it.
         holder.rollback()
         holder.close()
-        _succeed(processes, run, "successor")
+        succeed(processes, run, "successor")
         _assert_exactly_once(src_db, dst_db, binding)
         committed = dst_db.execute(
             "SELECT cursor, version FROM dispatch_cursor WHERE binding_id = %s", [binding.pk]
         )
-    finally:
-        stopped.send_signal(signal.SIGCONT)
     # A wakes, finishes its COPY and tries to commit: its cursor compare-and-set (and
     # the fence) refuse it, and its session ends without a row.
     wait_until(
@@ -316,8 +239,8 @@ def test_incremental__stopped_past_its_lease_while_a_successor_commits(
     )
     wait_until(
         lambda: (
-            "stopped without recording" in processes.output(stopped)
-            or "refused" in processes.output(stopped)
+            "stopped without recording" in processes.output(worker)
+            or "refused" in processes.output(worker)
         ),
         timeout=60,
         message="A gives the attempt up",
@@ -344,11 +267,7 @@ def test_incremental__operator_reset_and_set_move_the_sink_cursor(
     binding = _setup(src_db, dst_db)
     worker = processes.worker("--worker-id", "w")
     run = factories.trigger(binding)
-    wait_until(
-        lambda: Run.objects.filter(pk=run.pk, status=Status.SUCCEEDED).exists(),
-        timeout=60,
-        message="the first run",
-    )
+    succeeded(run, message="the first run")
     dst_db.execute("TRUNCATE copy")
     if action == "reset":
         committed = services.set_binding_cursor(binding, None, by="alice")
@@ -361,11 +280,7 @@ def test_incremental__operator_reset_and_set_move_the_sink_cursor(
     copy = BindingCursor.objects.get(binding=binding)
     assert (copy.version, copy.changed_by, copy.run_id) == (2, "alice", None)
     again = factories.trigger(binding)
-    wait_until(
-        lambda: Run.objects.filter(pk=again.pk, status=Status.SUCCEEDED).exists(),
-        timeout=60,
-        message="the run after the operator's change",
-    )
+    succeeded(again, message="the run after the operator's change")
     assert dst_db.execute("SELECT count(*), count(DISTINCT id) FROM copy") == [(expected, expected)]
     attempt = Attempt.objects.get(run=again)
     assert attempt.cursor_from == (None if action == "reset" else committed.cursor)

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 from dispatch.core.states import Status
 from dispatch.models import Attempt, AttemptEvent, Run
 from tests.support.factories import BindingFactory, trigger
+from tests.support.gates import kill
 from tests.support.helpers import attempts_of
 from tests.support.processes import Processes, wait_until, worker_env
 
@@ -91,8 +90,7 @@ def test_worker_events__success_failure_and_a_killed_attempt(processes):
         ).exists(),
         message="a heartbeat to write the victim's progress",
     )
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(10)
+    kill(victim)
     start(processes, "rescuer")
     assert finished(slow, timeout=40) == Status.SUCCEEDED
     first, second = attempts_of(slow)

@@ -7,7 +7,6 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import psycopg
 import pytest
 
 from dispatch.connectors.base import FenceRejected
@@ -23,7 +22,8 @@ from tests.support.connectors import (
     run_transfer,
     scratch_db,
 )
-from tests.support.processes import Processes, test_database_url, wait_until
+from tests.support.gates import Holders, kill_in_settlement
+from tests.support.processes import Processes, wait_until
 
 
 @pytest.fixture
@@ -142,7 +142,7 @@ def test_fence__older_token_cannot_raise_and_committed_run_is_not_written_again(
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_exactly_once__worker_killed_between_sink_commit_and_outcome(
-    dst_db: ScratchDB, processes: Processes
+    dst_db: ScratchDB, processes: Processes, holders: Holders
 ) -> None:
     dst_db.execute(ORDERS)
     source = Datasource(name="gen", kind="generate", config={})
@@ -165,38 +165,15 @@ def test_exactly_once__worker_killed_between_sink_commit_and_outcome(
     # A second connection holds the run row: the worker's settlement (which locks the run
     # first) waits behind it, so the window between the sink commit and the outcome stays
     # open until the worker is killed.
-    holder = psycopg.connect(test_database_url())
-    holder.execute("SELECT 1 FROM dispatch_run WHERE id = %s FOR UPDATE", [run.id])
-    try:
-        wait_until(
-            lambda: (_fence_row(dst_db, run.id) or (0, 0, False))[2],
-            timeout=60,
-            message="the sink commit",
-        )
-        # The settlement has reached the server and waits on our lock. A killed client's
-        # statement would still run once the lock is free (the server reads it from the
-        # socket before noticing the client is gone), so its backend is ended as well:
-        # the outcome is lost for good, as when the worker dies a moment earlier.
-        blocked = (
-            "SELECT pid FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))"
-            " AND query ILIKE '%%settle%%'"
-        )
-        with psycopg.connect(test_database_url(), autocommit=True) as admin:
-            holder_pid = holder.info.backend_pid
-            wait_until(
-                lambda: admin.execute(blocked, [holder_pid]).fetchall(),
-                message="the settlement waiting on the run lock",
-            )
-            worker.send_signal(signal.SIGKILL)
-            worker.wait(10)
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE %s = ANY(pg_blocking_pids(pid))",
-                [holder_pid],
-            )
-    finally:
-        holder.rollback()
-        holder.close()
+    holder = holders.run_row(run)
+    wait_until(
+        lambda: (_fence_row(dst_db, run.id) or (0, 0, False))[2],
+        timeout=60,
+        message="the sink commit",
+    )
+    # The settlement has reached the server and waits on our lock: the worker is killed
+    # there and its backend ended, so the outcome is lost for good.
+    kill_in_settlement(holder, worker)
     first.refresh_from_db()
     assert first.status == Status.RUNNING  # the outcome was never recorded
     successor = processes.worker("--worker-id", "successor")

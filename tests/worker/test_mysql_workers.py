@@ -12,20 +12,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 from django.db import connection
 
 from dispatch.core.states import Reason, Status
-from dispatch.models import Attempt, Datasource, Run, Worker
-from tests.connectors.test_incremental_crash import (
-    _holder,
-    _kill_while_held,
-    _succeed,
-    holders,  # noqa: F401 - fixture
-)
+from dispatch.models import Attempt, Run, Worker
 from tests.support import factories
 from tests.support.connectors import ScratchDB, scratch_db
+from tests.support.gates import (
+    Holders,
+    crash_binding,
+    gate_table,
+    kill,
+    kill_while_held,
+    succeed,
+    succeeded,
+)
 from tests.support.mariadb import MyDB
 from tests.support.mysql_pausing import PAUSE_VARIABLE, PAUSED
 from tests.support.processes import Processes, wait_until, worker_env
@@ -56,18 +58,14 @@ def test_fence__a_stale_commit_after_sigstop_past_its_lease_is_refused_by_the_si
     mydb.execute("CREATE TABLE orders (id BIGINT, customer TEXT, amount DECIMAL(12,2),"
                  " created_at DATETIME(6)) ENGINE=InnoDB")  # fmt: skip
     mydb.execute("INSERT INTO orders (id) VALUES (0)")
-    source = Datasource(name="gen", kind="generate", config={})
-    source.save()
-    sink = Datasource(name="my", kind="test_mysql_pausing", config=mydb.config)
-    sink.save()
-    job = factories.JobFactory(
-        source_spec={"rows": 2000, "batch": 500, "seed": 3},
-        sink_spec={"table": "orders", "mode": "append"},
-        lease_seconds=2,
-        max_attempts=3,
-        backoff_seconds=0,
+    binding = crash_binding(
+        ("generate", {}),
+        ("test_mysql_pausing", mydb.config),
+        {"rows": 2000, "batch": 500, "seed": 3},
+        {"table": "orders", "mode": "append"},
+        job={"max_attempts": 3},
     )
-    run = factories.trigger(factories.BindingFactory(job=job, source=source, sink=sink))
+    run = factories.trigger(binding)
     # The stale worker copies every row, passes its last lease check, and stops itself
     # just before the sink's fenced commit (tests/support/mysql_pausing.py).
     stale = processes.worker("--worker-id", "stale", env=worker_env(**env, **{PAUSE_VARIABLE: "1"}))
@@ -80,11 +78,7 @@ def test_fence__a_stale_commit_after_sigstop_past_its_lease_is_refused_by_the_si
     assert _fence(mydb, run) == (first.lease_token, None, 0)
     try:
         successor = processes.worker("--worker-id", "successor", env=worker_env(**env))
-        wait_until(
-            lambda: Run.objects.filter(pk=run.pk, status=Status.SUCCEEDED).exists(),
-            timeout=60,
-            message="the successor commits the run",
-        )
+        succeeded(run, message="the successor commits the run")
         winner = Attempt.objects.get(run=run, status=Status.SUCCEEDED)
         assert winner.number == 2 and winner.worker_id == "successor"
         assert _fence(mydb, run) == (winner.lease_token, str(winner.pk), 1)
@@ -180,44 +174,32 @@ def test_incremental__mysql_source_killed_mid_copy_then_exactly_once(
     mydb: MyDB,
     pg: ScratchDB,
     processes: Processes,
-    holders: list[psycopg.Connection[Any]],  # noqa: F811 - the fixture imported above
+    holders: Holders,
 ) -> None:
     mydb.execute("CREATE TABLE items (id BIGINT PRIMARY KEY, updated_at DATETIME(6) NOT NULL,"
                  " gate VARCHAR(1), KEY (updated_at, id))")  # fmt: skip
     _mysql_items(mydb, 1, ROWS)
-    pg.execute("CREATE TABLE gate (name text PRIMARY KEY)")
-    pg.execute("INSERT INTO gate VALUES ('a'), ('b')")
+    gate_table(pg)
     pg.execute("CREATE TABLE copy (id numeric, updated_at timestamp, gate text REFERENCES gate)")
-    source = Datasource(name="my-src", kind="mysql", config=mydb.config)
-    source.save()
-    sink = Datasource(name="pg-sink", kind="postgresql", config=pg.config)
-    sink.save()
-    job = factories.JobFactory(
-        source_spec={"table": "items", "incremental": {"cursor": ["updated_at", "id"]}},
-        sink_spec={"table": "copy", "mode": "append"},
-        lease_seconds=2,
-        max_attempts=5,
-        backoff_seconds=0,
+    binding = crash_binding(
+        ("mysql", mydb.config),
+        ("postgresql", pg.config),
+        {"table": "items", "incremental": {"cursor": ["updated_at", "id"]}},
+        {"table": "copy", "mode": "append"},
     )
-    binding = factories.BindingFactory(job=job, source=source, sink=sink)
-    gate = _holder(holders, pg)
-    gate.execute("SELECT 1 FROM gate WHERE name = 'b' FOR UPDATE")
+    gate = holders.gate(pg)
     run = factories.trigger(binding)
     doomed = processes.worker("--worker-id", "doomed")
-    _kill_while_held(processes, pg, gate, doomed)
+    kill_while_held(pg, gate, doomed)
     assert pg.execute("SELECT count(*) FROM copy") == [(0,)]  # nothing committed
-    successor = _succeed(processes, run, "successor")
+    successor = succeed(processes, run, "successor")
     _check_once(mydb, pg, binding)
     attempts = list(Attempt.objects.filter(run=run).order_by("number"))
     assert attempts[0].reason == Reason.LEASE_EXPIRED and attempts[-1].cursor_from is None
     # The next run reads only the new rows, each once.
     _mysql_items(mydb, ROWS + 1, ROWS + 300)
     nxt = factories.trigger(binding)
-    wait_until(
-        lambda: Run.objects.filter(pk=nxt.pk, status=Status.SUCCEEDED).exists(),
-        timeout=60,
-        message="the next run",
-    )
+    succeeded(nxt, message="the next run")
     attempt = Attempt.objects.get(run=nxt)
     assert attempt.rows_written == 300 and attempt.cursor_to[1] == str(ROWS + 300)
     _check_once(mydb, pg, binding)
@@ -252,18 +234,12 @@ def test_incremental__postgresql_into_mysql_killed_mid_copy_then_exactly_once(
     mydb.execute("INSERT INTO gate VALUES ('a'), ('b')")
     mydb.execute("CREATE TABLE copy (id BIGINT, updated_at DATETIME(6), gate VARCHAR(1),"
                  " FOREIGN KEY (gate) REFERENCES gate (name)) ENGINE=InnoDB")  # fmt: skip
-    source = Datasource(name="pg-src", kind="postgresql", config=pg.config)
-    source.save()
-    sink = Datasource(name="my-sink", kind="mysql", config=mydb.config)
-    sink.save()
-    job = factories.JobFactory(
-        source_spec={"table": "items", "incremental": {"cursor": ["updated_at", "id"]}},
-        sink_spec={"table": "copy", "mode": "append", "lock_timeout_seconds": 600},
-        lease_seconds=2,
-        max_attempts=5,
-        backoff_seconds=0,
+    binding = crash_binding(
+        ("postgresql", pg.config),
+        ("mysql", mydb.config),
+        {"table": "items", "incremental": {"cursor": ["updated_at", "id"]}},
+        {"table": "copy", "mode": "append", "lock_timeout_seconds": 600},
     )
-    binding = factories.BindingFactory(job=job, source=source, sink=sink)
     # A session of our own holds the gate row 'b': the sink's INSERT of the first row that
     # references it waits (InnoDB's foreign-key check), in the middle of the copy.
     gate = mydb.server.root(database=mydb.name)
@@ -283,15 +259,14 @@ def test_incremental__postgresql_into_mysql_killed_mid_copy_then_exactly_once(
             " WHERE info LIKE 'LOAD DATA LOCAL INFILE%'"
         )
         wait_until(lambda: mydb.execute(waiting), timeout=60, message="the sink's load waits")
-        doomed.send_signal(signal.SIGKILL)
-        doomed.wait(10)
+        kill(doomed)
         for (thread,) in mydb.execute(waiting):
             mydb.execute(f"KILL {int(thread)}")
     finally:
         gate.rollback()
         gate.close()
     assert mydb.execute("SELECT COUNT(*) FROM copy") == [(0,)]  # nothing committed
-    successor = _succeed(processes, run, "successor")
+    successor = succeed(processes, run, "successor")
     assert mydb.execute("SELECT COUNT(*), COUNT(DISTINCT id) FROM copy") == [(ROWS, ROWS)]
     [(cursor,)] = mydb.execute(
         "SELECT cursor_value FROM dispatch_cursor WHERE binding_id = %s", [str(binding.pk)]

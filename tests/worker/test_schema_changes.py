@@ -8,17 +8,22 @@ both and records the change on its attempt."""
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Iterator
-from typing import Any
 
-import psycopg
 import pytest
 
 from dispatch.core.states import Reason, Status
-from dispatch.models import Attempt, Datasource, Run
+from dispatch.models import Attempt
 from tests.support import factories
-from tests.support.connectors import ScratchDB, connect, scratch_db
+from tests.support.connectors import ScratchDB, scratch_db
+from tests.support.gates import (
+    Holders,
+    crash_binding,
+    gate_table,
+    kill_while_held,
+    succeed,
+    waiting_on,
+)
 from tests.support.processes import Processes, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -46,18 +51,8 @@ def _sink_columns(dst: ScratchDB) -> list[str]:
     ]
 
 
-def _waiting_on(dst: ScratchDB, holder: psycopg.Connection[Any]) -> list[int]:
-    return [
-        r[0]
-        for r in dst.execute(
-            "SELECT pid FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
-            [holder.info.backend_pid],
-        )
-    ]
-
-
 def test_schema_change__killed_between_the_ddl_and_the_commit_leaves_neither(
-    src_db: ScratchDB, dst_db: ScratchDB, processes: Processes
+    src_db: ScratchDB, dst_db: ScratchDB, processes: Processes, holders: Holders
 ) -> None:
     src_db.execute("CREATE TABLE items (id bigint PRIMARY KEY, gate text, extra numeric(8,2))")
     src_db.execute(
@@ -65,42 +60,27 @@ def test_schema_change__killed_between_the_ddl_and_the_commit_leaves_neither(
         " FROM generate_series(1, %s) i",
         [ROWS],
     )
-    dst_db.execute("CREATE TABLE gate (name text PRIMARY KEY)")
-    dst_db.execute("INSERT INTO gate VALUES ('a'), ('b')")
+    gate_table(dst_db)
     dst_db.execute("CREATE TABLE copy (id bigint, gate text REFERENCES gate)")
-    source = Datasource(name="schema-src", kind="postgresql", config=src_db.config)
-    source.save()
-    sink = Datasource(name="schema-sink", kind="postgresql", config=dst_db.config)
-    sink.save()
-    job = factories.JobFactory(
-        source_spec={"table": "items"},
-        sink_spec={"table": "copy", "mode": "append", "on_new_column": "add"},
-        lease_seconds=2,
-        max_attempts=5,
-        backoff_seconds=0,
+    binding = crash_binding(
+        ("postgresql", src_db.config),
+        ("postgresql", dst_db.config),
+        {"table": "items"},
+        {"table": "copy", "mode": "append", "on_new_column": "add"},
     )
-    binding = factories.BindingFactory(job=job, source=source, sink=sink)
-    holder = connect(dst_db.name, autocommit=False)
-    try:
-        holder.execute("SELECT 1 FROM gate WHERE name = 'b' FOR UPDATE")
-        run = factories.trigger(binding)
-        doomed = processes.worker("--worker-id", "doomed")
-        wait_until(lambda: _waiting_on(dst_db, holder), timeout=60, message="the COPY waits")
-        # The ALTER TABLE is done, uncommitted, in the waiting transaction: it holds the
-        # table ACCESS EXCLUSIVE.
-        [(mode,)] = dst_db.execute(
-            "SELECT mode FROM pg_locks WHERE relation = 'copy'::regclass AND pid = %s"
-            " AND granted AND mode = 'AccessExclusiveLock'",
-            [_waiting_on(dst_db, holder)[0]],
-        )
-        assert mode == "AccessExclusiveLock"
-        doomed.send_signal(signal.SIGKILL)
-        doomed.wait(10)
-        for pid in _waiting_on(dst_db, holder):
-            dst_db.execute("SELECT pg_terminate_backend(%s)", [pid])
-    finally:
-        holder.rollback()
-        holder.close()
+    holder = holders.gate(dst_db)
+    run = factories.trigger(binding)
+    doomed = processes.worker("--worker-id", "doomed")
+    wait_until(lambda: waiting_on(dst_db, holder), timeout=60, message="the COPY waits")
+    # The ALTER TABLE is done, uncommitted, in the waiting transaction: it holds the
+    # table ACCESS EXCLUSIVE.
+    [(mode,)] = dst_db.execute(
+        "SELECT mode FROM pg_locks WHERE relation = 'copy'::regclass AND pid = %s"
+        " AND granted AND mode = 'AccessExclusiveLock'",
+        [waiting_on(dst_db, holder)[0]],
+    )
+    assert mode == "AccessExclusiveLock"
+    kill_while_held(dst_db, holder, doomed)
     wait_until(
         lambda: (
             not dst_db.execute(
@@ -113,12 +93,7 @@ def test_schema_change__killed_between_the_ddl_and_the_commit_leaves_neither(
     )
     assert _sink_columns(dst_db) == ["id", "gate"]  # no column added
     assert dst_db.execute("SELECT count(*) FROM copy") == [(0,)]  # no row either
-    processes.worker("--worker-id", "successor")
-    wait_until(
-        lambda: Run.objects.filter(pk=run.pk, status=Status.SUCCEEDED).exists(),
-        timeout=60,
-        message="the successor completes the run",
-    )
+    succeed(processes, run, "successor")
     assert _sink_columns(dst_db) == ["id", "gate", "extra"]
     assert dst_db.execute("SELECT count(*), count(DISTINCT id), sum(extra) FROM copy") == [
         (ROWS, ROWS, src_db.execute("SELECT sum(extra) FROM items")[0][0])

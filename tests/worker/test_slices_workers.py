@@ -14,20 +14,26 @@ slice's fence row (its commit waits)."""
 
 from __future__ import annotations
 
-import signal
 import threading
 from collections.abc import Iterator
-from typing import Any
 
-import psycopg
 import pytest
 
 from dispatch import services
 from dispatch.connectors.postgresql.writer import staging_name
 from dispatch.core.states import Origin, Reason, Status
-from dispatch.models import Attempt, Datasource, JobBinding, Run, SlicePlan
+from dispatch.models import Attempt, JobBinding, Run, SlicePlan
 from tests.support import factories
 from tests.support.connectors import ScratchDB, connect, scratch_db
+from tests.support.gates import (
+    Holders,
+    crash_binding,
+    gate_table,
+    kill_while_held,
+    stopped,
+    succeeded,
+    waiting_on,
+)
 from tests.support.processes import Processes, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -35,6 +41,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 BIG = 500_000
 # Sessions of the connectors wait on our locks for longer than the default 10 s.
 TIMEOUTS = {"lock_timeout_seconds": 300}
+SLICED = 180  # seconds a sliced run may take to succeed
 
 
 @pytest.fixture
@@ -45,20 +52,6 @@ def src() -> Iterator[ScratchDB]:
 @pytest.fixture
 def dst() -> Iterator[ScratchDB]:
     yield from scratch_db("dispatch_slices_dst")
-
-
-@pytest.fixture
-def holders() -> Iterator[list[psycopg.Connection[Any]]]:
-    opened: list[psycopg.Connection[Any]] = []
-    yield opened
-    for conn in opened:
-        conn.close()
-
-
-def holder(holders: list[psycopg.Connection[Any]], db: ScratchDB) -> psycopg.Connection[Any]:
-    conn = connect(db.name, autocommit=False)
-    holders.append(conn)
-    return conn
 
 
 def setup(
@@ -81,24 +74,18 @@ def setup(
         [gated, rows],
     )
     src.execute("ANALYZE items")
-    dst.execute("CREATE TABLE gate (name text PRIMARY KEY)")
-    dst.execute("INSERT INTO gate VALUES ('a'), ('b')")
+    gate_table(dst)
     dst.execute(
         f"CREATE TABLE {table} (id bigint, v text NOT NULL, gate text REFERENCES gate)"  # noqa: S608
     )
-    source = Datasource(name="slices-src", kind="postgresql", config=src.config)
-    source.save()
-    sink = Datasource(name="slices-dst", kind="postgresql", config=dst.config)
-    sink.save()
-    job = factories.JobFactory(
-        source_spec={"table": "items", "slices": {"key": "id", "count": 8}, **TIMEOUTS},
-        sink_spec={"table": table, "mode": mode, **TIMEOUTS},
-        lease_seconds=2,
-        max_attempts=5,
-        backoff_seconds=0,
-        max_slices_in_flight=in_flight,
+    return crash_binding(
+        ("postgresql", src.config),
+        ("postgresql", dst.config),
+        {"table": "items", "slices": {"key": "id", "count": 8}, **TIMEOUTS},
+        {"table": table, "mode": mode, **TIMEOUTS},
+        job={"max_slices_in_flight": in_flight},
+        max_concurrency=concurrency,
     )
-    return factories.BindingFactory(job=job, source=source, sink=sink, max_concurrency=concurrency)
 
 
 def digest(db: ScratchDB, table: str) -> tuple[int, int, int]:
@@ -109,16 +96,6 @@ def digest(db: ScratchDB, table: str) -> tuple[int, int, int]:
         f" FROM {table} t"
     )
     return row
-
-
-def waiting_on(db: ScratchDB, conn: psycopg.Connection[Any]) -> list[int]:
-    return [
-        r[0]
-        for r in db.execute(
-            "SELECT pid FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
-            [conn.info.backend_pid],
-        )
-    ]
 
 
 def the_parent(binding: JobBinding) -> Run:
@@ -135,21 +112,12 @@ def attempts(run: Run) -> list[tuple[int, str, str | None]]:
     ]
 
 
-def succeeded(parent: Run, timeout: float = 180) -> None:
-    wait_until(
-        lambda: Run.objects.filter(pk=parent.pk, status=Status.SUCCEEDED).exists(),
-        timeout=timeout,
-        message="the sliced run succeeds",
-    )
-
-
 def test_slices__500k_rows_over_two_workers_one_killed_mid_slice_redoes_that_slice_alone(
-    src: ScratchDB, dst: ScratchDB, processes: Processes, holders: list[psycopg.Connection[Any]]
+    src: ScratchDB, dst: ScratchDB, processes: Processes, holders: Holders
 ) -> None:
     # Slice 5 of 8 is [250001, 312501): row 300000 waits on the gate.
     binding = setup(src, dst, rows=BIG, gated=[300_000])
-    gate = holder(holders, dst)
-    gate.execute("SELECT 1 FROM gate WHERE name = 'b' FOR UPDATE")
+    gate = holders.gate(dst)
     run = factories.trigger(binding)
     workers = {
         name: processes.worker("--worker-id", name, "--concurrency", "1") for name in ("a", "b")
@@ -159,14 +127,9 @@ def test_slices__500k_rows_over_two_workers_one_killed_mid_slice_redoes_that_sli
     assert parent.pk == run.pk and parent.status == Status.WAITING
     fifth = slice_run(parent, 5)
     holding = Attempt.objects.get(run=fifth, status=Status.RUNNING).worker_id
-    doomed = workers[holding]
-    doomed.send_signal(signal.SIGKILL)
-    doomed.wait(10)
-    for pid in waiting_on(dst, gate):  # the dead worker's session
-        dst.execute("SELECT pg_terminate_backend(%s)", [pid])
-    gate.rollback()
+    kill_while_held(dst, gate, workers[holding])
     processes.worker("--worker-id", "c", "--concurrency", "1")  # two workers again
-    succeeded(parent)
+    succeeded(parent, timeout=SLICED)
 
     assert digest(dst, "copy") == digest(src, "items")
     assert digest(dst, "copy")[:2] == (BIG, BIG)  # every row, none twice
@@ -185,12 +148,11 @@ def test_slices__500k_rows_over_two_workers_one_killed_mid_slice_redoes_that_sli
 
 
 def test_slices__a_stale_slice_commit_after_sigstop_past_its_lease_is_refused_by_the_fence(
-    src: ScratchDB, dst: ScratchDB, processes: Processes, holders: list[psycopg.Connection[Any]]
+    src: ScratchDB, dst: ScratchDB, processes: Processes, holders: Holders
 ) -> None:
     # Slice 2 of 8 is [62501, 125001): row 100000 waits on the gate.
     binding = setup(src, dst, rows=BIG, gated=[100_000])
-    gate = holder(holders, dst)
-    gate.execute("SELECT 1 FROM gate WHERE name = 'b' FOR UPDATE")
+    gate = holders.gate(dst)
     factories.trigger(binding)
     stale = processes.worker("--worker-id", "stale", "--concurrency", "1")
     wait_until(lambda: waiting_on(dst, gate), timeout=120, message="slice 2's COPY waits")
@@ -199,12 +161,11 @@ def test_slices__a_stale_slice_commit_after_sigstop_past_its_lease_is_refused_by
     first_attempt = Attempt.objects.get(run=second, status=Status.RUNNING)
     assert first_attempt.worker_id == "stale"
     # Hold slice 2's fence row, then let its COPY finish: its commit waits on the row.
-    fence = holder(holders, dst)
+    fence = holders.session(dst)
     fence.execute("SELECT 1 FROM dispatch_fence WHERE run_id = %s FOR UPDATE", [second.pk])
     gate.rollback()
     wait_until(lambda: waiting_on(dst, fence), timeout=120, message="the commit waits")
-    stale.send_signal(signal.SIGSTOP)
-    try:
+    with stopped(stale):
         fresh = processes.worker("--worker-id", "fresh", "--concurrency", "2")
         # Past its lease, slice 2 is recovered and its successor raises the fence, which
         # waits behind the stale commit.
@@ -227,9 +188,7 @@ def test_slices__a_stale_slice_commit_after_sigstop_past_its_lease_is_refused_by
             message="both commits wait",
         )
         fence.rollback()  # the stale commit takes the row first (it asked first)
-    finally:
-        stale.send_signal(signal.SIGCONT)
-    succeeded(parent)
+    succeeded(parent, timeout=SLICED)
     wait_until(
         lambda: "stale commit refused by the sink fence" in processes.output(stale),
         timeout=60,
@@ -249,14 +208,13 @@ def test_slices__a_stale_slice_commit_after_sigstop_past_its_lease_is_refused_by
 
 
 def test_slices__replace_keeps_the_old_table_whole_until_the_last_slice_swaps_it(
-    src: ScratchDB, dst: ScratchDB, processes: Processes, holders: list[psycopg.Connection[Any]]
+    src: ScratchDB, dst: ScratchDB, processes: Processes, holders: Holders
 ) -> None:
     rows = 40_000
     # Slice 8 of 8 is [35001, ...): row 39000 waits on the gate, after the other seven.
     binding = setup(src, dst, rows=rows, gated=[39_000], table="target", mode="replace")
     dst.execute("INSERT INTO target SELECT -i, 'old', 'a' FROM generate_series(1, 1000) i")
-    gate = holder(holders, dst)
-    gate.execute("SELECT 1 FROM gate WHERE name = 'b' FOR UPDATE")
+    gate = holders.gate(dst)
     run = factories.trigger(binding)
 
     seen: set[tuple[int, int]] = set()
@@ -289,12 +247,11 @@ def test_slices__replace_keeps_the_old_table_whole_until_the_last_slice_swaps_it
         [(staged,)] = dst.execute(f"SELECT count(*) FROM {stage}")  # noqa: S608
         assert staged == 35_000
         assert dst.execute("SELECT count(*), min(v), max(v) FROM target") == [(1000, "old", "old")]
-        before = connect(dst.name, autocommit=False)
-        holders.append(before)
+        before = holders.session(dst)
         before.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         assert before.execute("SELECT count(*) FROM target").fetchone() == (1000,)
         gate.rollback()
-        succeeded(Run.objects.get(pk=run.pk))
+        succeeded(Run.objects.get(pk=run.pk), timeout=SLICED)
     finally:
         done.set()
         watcher.join(30)
@@ -337,7 +294,7 @@ def test_slices__a_slice_failing_for_good_fails_the_run_and_the_retry_redoes_onl
 
     dst.execute("ALTER TABLE copy DROP CONSTRAINT not_3333")
     assert services.retry_run(run) == services.Outcome.RETRIED
-    succeeded(run)
+    succeeded(run, timeout=SLICED)
     assert digest(dst, "copy") == digest(src, "items")
     assert digest(dst, "copy")[:2] == (rows, rows)
     assert [(a.number, a.origin, a.status) for a in Attempt.objects.filter(run=fourth)] == [
