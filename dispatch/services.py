@@ -22,7 +22,7 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import DatabaseError, connection, transaction
-from django.db.models import Exists, Max, OuterRef, Q, Subquery
+from django.db.models import Count, Exists, Max, OuterRef, Q, Subquery
 from django.db.models.functions import Now
 
 from dispatch import signals
@@ -153,7 +153,8 @@ def _chain_fire(run_id: uuid.UUID, status: str) -> None:
 
 
 class ChainCycle(ValidationError):
-    """Edges that would form a cycle; the message names it (`a -> b -> a`)."""
+    """Edges refused: they would form a cycle (the message names it: `a -> b -> a`) or
+    exceed MAX_EDGES (code "width")."""
 
 
 def chain_cycle(edges: Sequence[tuple[str, str]]) -> list[str] | None:
@@ -178,6 +179,27 @@ def chain_cycle(edges: Sequence[tuple[str, str]]) -> list[str] | None:
     return None
 
 
+# The edges of one binding, each way: a settlement creates every downstream run of its run
+# in its own transaction (under the worker's statement timeout), so a binding's fan-out is
+# bounded, as is its fan-in.
+MAX_EDGES = 32
+
+
+def chain_width_problem(binding: JobBinding | None, upstreams: Sequence[JobBinding]) -> str | None:
+    """Why these upstreams of `binding` exceed MAX_EDGES (it waiting for too many, or one
+    of them starting too many), or None."""
+    if len(upstreams) > MAX_EDGES:
+        return f"a binding waits for at most {MAX_EDGES} others ({len(upstreams)} chosen)"
+    others = BindingEdge.objects.filter(upstream_id__in=[u.pk for u in upstreams])
+    if binding is not None and binding.pk is not None:
+        others = others.exclude(downstream_id=binding.pk)
+    counts = dict(others.values_list("upstream_id").annotate(n=Count("pk")).order_by())
+    for up in upstreams:
+        if counts.get(up.pk, 0) + 1 > MAX_EDGES:
+            return f"{up.name} already starts {MAX_EDGES} bindings, the most one may start"
+    return None
+
+
 def set_upstreams(binding: JobBinding, upstreams: Sequence[tuple[JobBinding, str]]) -> None:
     """Make `upstreams` ((binding, ChainOn)) the edges into `binding`, refusing a cycle
     (`ChainCycle`, naming it). Takes the edges table in SHARE ROW EXCLUSIVE mode first, so
@@ -188,6 +210,9 @@ def set_upstreams(binding: JobBinding, upstreams: Sequence[tuple[JobBinding, str
         with connection.cursor() as cursor:
             cursor.execute(sqlfiles.query("lock_edges"))
         wanted = {up.pk: (up, ChainOn(on)) for up, on in upstreams}
+        wide = chain_width_problem(binding, [up for up, _ in wanted.values()])
+        if wide is not None:
+            raise ChainCycle(wide, code="width")
         others = [
             (str(e.upstream_id), str(e.downstream_id))
             for e in BindingEdge.objects.exclude(downstream_id=binding.pk)

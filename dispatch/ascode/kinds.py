@@ -176,6 +176,11 @@ class Kind:
     def export(self, obj: Any, notes: list[str]) -> dict[str, Any]:
         return dict(self.stored(obj))
 
+    def field_permissions(self, definition: Definition, changed: set[str]) -> set[str]:
+        """The permissions writing these fields of `definition` needs beyond writing the
+        object."""
+        return set()
+
     def permissions(self, obj: Any, stored: Any | None, action: str) -> set[str]:
         """The Django permissions writing `obj` needs (`stored`: the row before, None for a
         new object), as the console asks for them."""
@@ -472,6 +477,12 @@ class BindingKind(Kind):
         # (runs, their attempts; its cursor copy, health and metrics cascade).
         obj.runs.all().delete()
         obj.delete()
+
+    def field_permissions(self, definition: Definition, changed: set[str]) -> set[str]:
+        # An edge starts this binding whenever its upstream ends: who draws one must be
+        # allowed to trigger runs (as in the console's form). Removing every edge is not.
+        drawn = bool(definition.values.get("after")) and bool(changed & set(self.edge_fields))
+        return {"dispatch.trigger_binding"} if drawn else set()
 
     def permissions(self, obj: Any, stored: Any | None, action: str) -> set[str]:
         needed = super().permissions(obj, stored, action)

@@ -224,7 +224,10 @@ def _add_defined(
             file=definition.source,
             line=definition.line,
             permissions=frozenset(
-                kind.permissions(obj, row, action) if action != UNCHANGED else ()
+                kind.permissions(obj, row, action)
+                | kind.field_permissions(definition, {c.field.split(".")[0] for c in fields})
+                if action != UNCHANGED
+                else ()
             ),
             pk=row.pk if row is not None else None,
             definition=definition,
@@ -457,7 +460,9 @@ def _check_chains(
                 edges.append((up, name))
     cycle = services.chain_cycle(edges)
     if cycle is not None:
-        first = defined.get(cycle[-1]) or defined.get(cycle[0])
+        # The first binding of the cycle the files define (the path is closed: its last
+        # name is its first).
+        first = next((defined[n] for n in cycle if n in defined), None)
         text = " -> ".join(cycle)
         if first is not None:
             problems.at(first, ("after",), f"these bindings would wait for each other: {text}")

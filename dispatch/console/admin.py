@@ -851,6 +851,29 @@ class JobBindingAdmin(ManagedByFilesAdmin, querypermission.QueryPermissionAdmin,
     form_wrapper = staticmethod(querypermission.binding_form)
     guard = staticmethod(querypermission.guard_binding_save)
 
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> Any:
+        form = super().get_form(request, obj, change=change, **kwargs)
+        if request.user.has_perm("dispatch.trigger_binding"):
+            return form
+
+        class EdgesReadOnly(form):  # type: ignore[misc, valid-type]
+            """Without the trigger permission the upstreams are shown, not edited: an
+            edge starts this binding whenever its upstream ends."""
+
+            def __init__(self, *args: Any, **kw: Any) -> None:
+                super().__init__(*args, **kw)
+                for name in ("after", "on"):
+                    if name in self.fields:
+                        self.fields[name].disabled = True
+                        self.fields[name].help_text = (
+                            "Editing what this binding waits for needs the permission to "
+                            "trigger runs."
+                        )
+
+        return EdgesReadOnly
+
     def save_model(self, request: HttpRequest, obj: JobBinding, form: Any, change: bool) -> None:
         super().save_model(request, obj, form, change)
         # After the save: a source that does not answer never blocks it.

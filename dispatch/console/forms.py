@@ -458,6 +458,9 @@ class BindingForm(forms.ModelForm):  # type: ignore[type-arg]
             self.add_error("clear_hash_key", "give a new hash key or forget it, not both")
         elif key and len(key) < HASH_KEY_MIN_CHARS:
             self.add_error("hash_key", f"must be at least {HASH_KEY_MIN_CHARS} characters")
+        wide = services.chain_width_problem(self.instance, list(data.get("after") or []))
+        if wide is not None and "after" in self.changed_data:
+            self.add_error("after", wide)
         cycle = self._cycle(list(data.get("after") or []))
         if cycle:
             self.add_error("after", f"these upstreams would form a cycle: {cycle}")
@@ -489,6 +492,8 @@ class BindingForm(forms.ModelForm):  # type: ignore[type-arg]
 
     def _save_m2m(self) -> None:
         super()._save_m2m()  # type: ignore[misc]
+        if not {"after", "on"} & set(self.changed_data):
+            return  # unchanged (or not editable here): the stored edges stay as they are
         on = self.cleaned_data.get("on") or ChainOn.SUCCESS
         services.set_upstreams(
             self.instance, [(b, on) for b in self.cleaned_data.get("after") or []]

@@ -55,7 +55,7 @@ def read_binding(request: HttpRequest, ref: str) -> BindingDetail:
     who = require(request, VIEW)
     binding = reads.find_binding(ref)
     require_binding(who, binding)
-    return binding_detail(binding)
+    return binding_detail(binding, who.scope)
 
 
 @router.post(

@@ -8,6 +8,7 @@ its reason and its (sanitized) error, never a config, a snapshot or a redacted c
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection
 from datetime import datetime
 from typing import Any
 
@@ -218,10 +219,16 @@ def binding_out(binding: JobBinding) -> BindingOut:
     )
 
 
-def binding_detail(binding: JobBinding) -> BindingDetail:
-    """A binding with its edges (two indexed reads)."""
+def binding_detail(
+    binding: JobBinding, scope: Collection[uuid.UUID] | None = None
+) -> BindingDetail:
+    """A binding with its edges (two indexed reads); a token narrowed to some bindings
+    (`scope`) sees only the edges between those."""
     ups = BindingEdge.objects.filter(downstream_id=binding.pk).select_related("upstream")
     downs = BindingEdge.objects.filter(upstream_id=binding.pk).select_related("downstream")
+    if scope is not None:
+        ups = ups.filter(upstream_id__in=list(scope))
+        downs = downs.filter(downstream_id__in=list(scope))
     return BindingDetail(
         **binding_out(binding).dict(),
         after=[EdgeOut(binding=e.upstream.name, on=e.on) for e in ups.order_by("upstream__name")],

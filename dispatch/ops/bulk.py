@@ -35,10 +35,12 @@ from django.utils.dateparse import parse_date, parse_datetime
 
 from dispatch import services
 from dispatch.core import conf
+from dispatch.core.db import DB_ERRORS
 from dispatch.core.states import Status, Trigger
 from dispatch.models import BulkOperation, BulkSkip, BulkStatus, JobBinding, Run
 from dispatch.models.core import MANAGED_BY_CHOICES
 from dispatch.services import ActionRefused
+from dispatch.worker.log import db_error
 
 log = logging.getLogger("dispatch.bulk")
 
@@ -384,11 +386,17 @@ def work_batch(size: int | None = None) -> BatchReport | None:
             for obj in batch:
                 name = str(obj)[:200]
                 try:
-                    outcome, detail = spec.apply(obj, user)
+                    # A savepoint: a row the database refuses (a lock timeout, a deadlock)
+                    # is skipped with its reason, never the batch's undoing, which would
+                    # leave the operation retrying it ahead of every later operation.
+                    with transaction.atomic():
+                        outcome, detail = spec.apply(obj, user)
                 except ActionRefused as refused:
                     code, message = refused.code, refused.message
                 except ObjectDoesNotExist:  # deleted since the read (retention)
                     code, message = "GONE", f"{name} no longer exists."
+                except DB_ERRORS as exc:
+                    code, message = "DATABASE_ERROR", f"The database refused it: {db_error(exc)}"
                 else:
                     report.done += 1
                     text = f"{label}: {outcome}" + (f" ({detail})" if detail else "")

@@ -482,3 +482,35 @@ def test_apply__after_writes_the_edges_and_a_cycle_is_refused_naming_it(
     assert re.search(
         r"facts:\n(    .*\n)*    after:\n    - dims\n(    .*\n)*    'on': completion", ran.out
     ), ran.out
+
+
+def test_plan__drawing_an_edge_needs_the_trigger_permission() -> None:
+    """An edge starts its binding whenever its upstream ends: the plan asks for
+    dispatch.trigger_binding where a file draws one, not where it only removes them."""
+    without = CHAIN.replace("    after: [dims]\n    on: completion\n", "")
+    assert without != CHAIN
+    assert "dispatch.trigger_binding" not in plan_text(without).permissions()
+    apply_text(without)
+    assert plan_text(CHAIN).permissions() == {
+        "dispatch.change_jobbinding",
+        "dispatch.trigger_binding",
+    }
+    apply_text(CHAIN)
+    assert "dispatch.trigger_binding" not in plan_text(without).permissions()
+
+
+def test_plan__a_cycle_through_a_binding_the_files_do_not_define_is_reported() -> None:
+    """The files define facts (after dims); dims, already stored, waits for facts: the
+    cycle is named at facts, the one binding of it the files define."""
+    from dispatch import services
+    from dispatch.models import JobBinding
+
+    apply_text(CHAIN.replace("    after: [dims]\n    on: completion\n", ""))
+    facts, dims = JobBinding.objects.get(name="facts"), JobBinding.objects.get(name="dims")
+    services.set_upstreams(dims, [(facts, "SUCCESS")])
+    only_facts = CHAIN.replace("  dims:\n    job: copy\n    source: gen\n    sink: void\n", "")
+    assert only_facts != CHAIN
+    from dispatch.ascode.errors import DefinitionError
+
+    with pytest.raises(DefinitionError, match="these bindings would wait for each other"):
+        plan_text(only_facts)

@@ -397,3 +397,36 @@ def test_bulk_batch__a_stored_filter_no_longer_accepted_refuses_the_operation() 
     assert report is not None and report.status == BulkStatus.REFUSED
     op.refresh_from_db()
     assert op.status == BulkStatus.REFUSED and "'status__in' is not a filter" in op.error
+
+
+@pytest.mark.django_db(transaction=True)
+def test_bulk_retry__a_row_the_database_refuses_is_skipped_and_the_rest_go_on() -> None:
+    """A run another session holds locked past the lock timeout: that row is skipped with
+    the database's reason (no host, user or password in it), the batch commits the rest,
+    and the operation ends instead of retrying the same batch ahead of every other."""
+    from tests.support.helpers import raw_connection
+
+    binding = BindingFactory(enabled=False)
+    make_runs(binding.pk, 4, Status.FAILED)
+    user, client = staff("view_run", "retry_run", "view_bulkoperation")
+    request_bulk(client, "run", "retry", f"binding__id__exact={binding.pk}")
+    held = Run.objects.filter(binding=binding).order_by("pk").first()
+    holder = raw_connection()
+    try:
+        holder.execute("SELECT 1 FROM dispatch_run WHERE id = %s FOR UPDATE", [held.pk])
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '100ms'")
+        try:
+            drain()
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("RESET lock_timeout")
+    finally:
+        holder.close()
+    op = BulkOperation.objects.get()
+    assert (op.status, op.done, op.skipped) == (BulkStatus.DONE, 3, 1)
+    (skip,) = BulkSkip.objects.filter(operation=op)
+    assert skip.object_id == held.pk and skip.code == "DATABASE_ERROR"
+    assert "LockNotAvailable" in skip.message and "postgres" not in skip.message.lower()
+    assert Run.objects.get(pk=held.pk).status == Status.FAILED
+    assert Run.objects.filter(binding=binding, status=Status.PENDING).count() == 3

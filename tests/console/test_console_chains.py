@@ -91,3 +91,56 @@ def test_admin__the_binding_page_saves_its_upstreams_and_shows_a_cycle(
         response.content.decode()
     )
     assert BindingEdge.objects.count() == 1
+
+
+def test_admin__without_the_trigger_permission_the_upstreams_are_shown_not_edited(
+    client: Client,
+) -> None:
+    """An edge starts its binding whenever its upstream ends: a user who may change
+    bindings but not trigger runs cannot draw one (the posted upstreams are ignored)."""
+    from django.contrib.auth.models import Permission, User
+
+    from tests.ops.test_alerts import binding_post
+
+    a, b = factories.BindingFactory(name="np-a"), factories.BindingFactory(name="np-b")
+    editor = User.objects.create_user("editor", is_staff=True)
+    editor.user_permissions.add(
+        *Permission.objects.filter(codename__in=["view_jobbinding", "change_jobbinding"])
+    )
+    client.force_login(editor)
+    url = f"/admin/dispatch/jobbinding/{b.pk}/change/"
+    page = client.get(url).content.decode()
+    assert "Editing what this binding waits for needs the permission to trigger runs" in page
+    response = client.post(url, {**binding_post(b), "after": [str(a.pk)], "name": "np-b2"})
+    assert response.status_code == 302, response.content.decode()[-3000:]
+    assert JobBinding.objects.get(pk=b.pk).name == "np-b2"  # the rest of the form saved
+    assert not BindingEdge.objects.exists()
+    editor.user_permissions.add(Permission.objects.get(codename="trigger_binding"))
+    editor = User.objects.get(pk=editor.pk)  # a fresh permission cache
+    client.force_login(editor)
+    response = client.post(url, {**binding_post(b), "after": [str(a.pk)]})
+    assert response.status_code == 302, response.content.decode()[-3000:]
+    assert list(BindingEdge.objects.values_list("upstream", "downstream")) == [(a.pk, b.pk)]
+
+
+def test_form__a_binding_waits_for_and_starts_at_most_max_edges() -> None:
+    from dispatch import services
+
+    hub = factories.BindingFactory(name="hub")
+    downs = [factories.BindingFactory(name=f"d-{i:02}") for i in range(services.MAX_EDGES)]
+    BindingEdge.objects.bulk_create(BindingEdge(upstream=hub, downstream=d) for d in downs)
+    one_more = factories.BindingFactory(name="one-more")
+    form = BindingForm(data=form_data(one_more, [hub]), instance=one_more)
+    assert not form.is_valid()
+    assert form.errors["after"] == [
+        f"hub already starts {services.MAX_EDGES} bindings, the most one may start"
+    ]
+    with pytest.raises(services.ChainCycle, match="already starts"):
+        services.set_upstreams(one_more, [(hub, ChainOn.SUCCESS)])
+    form = BindingForm(data=form_data(hub, [*downs[:0], one_more]), instance=hub)
+    assert form.is_valid(), form.errors  # waiting for one is within bounds
+    many = [factories.BindingFactory(name=f"u-{i:02}") for i in range(services.MAX_EDGES + 1)]
+    form = BindingForm(data=form_data(one_more, many), instance=one_more)
+    assert not form.is_valid()
+    assert form.errors["after"][0].startswith(f"a binding waits for at most {services.MAX_EDGES}")
+    assert not BindingEdge.objects.filter(downstream=one_more).exists()

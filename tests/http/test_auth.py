@@ -136,6 +136,18 @@ def test_a_token_scoped_to_one_binding_cannot_act_on_another(http: Any) -> None:
     assert_problem(http("POST", f"/runs/{foreign.pk}/cancel", token=token), 403, "scope")
     listed = http("GET", "/runs", token=token).json["items"]
     assert {r["binding"] for r in listed} == {"mine"}
+    # Its binding's edges name only the bindings in its scope.
+    from dispatch.models import BindingEdge
+
+    shared = BindingFactory(name="shared")
+    BindingEdge.objects.create(upstream=other, downstream=mine)
+    BindingEdge.objects.create(upstream=mine, downstream=BindingFactory(name="third"))
+    _, wide = make_token(make_user("w", *ALL), bindings=[mine, shared])
+    BindingEdge.objects.create(upstream=shared, downstream=mine)
+    detail = http("GET", "/bindings/mine", token=token).json
+    assert detail["after"] == [] and detail["before"] == []
+    detail = http("GET", "/bindings/mine", token=wide).json
+    assert [e["binding"] for e in detail["after"]] == ["shared"] and detail["before"] == []
 
 
 def test_a_token_without_trigger_permission_cannot_trigger(http: Any) -> None:
