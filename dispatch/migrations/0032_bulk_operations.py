@@ -60,7 +60,7 @@ class Migration(migrations.Migration):
         ),
         migrations.AddIndex(
             model_name='run',
-            index=models.Index(fields=['status', 'id'], name='dispatch_run_status_id_idx'),
+            index=models.Index(condition=models.Q(('status__in', ('PENDING', 'RUNNING', 'WAITING', 'FAILED', 'CANCELLED'))), fields=['status', 'id'], name='dispatch_run_status_id_idx'),
         ),
         migrations.AddIndex(
             model_name='bulkoperation',

@@ -123,7 +123,12 @@ def test_bulk_batch__costs_the_same_at_a_million_runs_as_at_two_thousand() -> No
     # Per run retried: its row, its attempts, the binding; a few tuples each. The same at
     # both sizes (a B-tree one level deeper costs a buffer, not a tuple).
     assert small_read <= 20 * BATCH, small_read
-    assert large_read <= small_read * 1.1 + 50, (small_read, large_read)
+    # At most two tuples more per run retried: the plans of the retry's lookups depend on
+    # the indexes' physical size too, which earlier tests of the session leave bloated
+    # (measured 1,203 -> 1,203 alone, 1,201 -> 1,403 after tests/worker/test_claim_scale.py);
+    # a batch that read every FAILED run or walked the table grows with the matches
+    # (1,500 -> 2,298 without the index).
+    assert large_read <= small_read + 2 * BATCH, (small_read, large_read)
     # The read's buffers: the index range and the 200 heap pages it points into, plus a
     # level or two of the larger B-trees.
     assert large_buffers <= small_buffers * 1.5 + 20, (small_buffers, large_buffers)
