@@ -10,8 +10,10 @@ total size (heap, indexes, TOAST) differs from the size recorded right after. An
 written since (committed, deleted or rolled back) grows the heap from zero pages and its
 primary key's index past its metapage, and an index never shrinks, so an unchanged size
 means an unwritten table; what is truncated ends in the same state as with Django's flush.
-When the content types or permissions changed, or the first time on a connection, Django's
-own flush runs (with `post_migrate`), and the sizes are recorded after it.
+When the content types or permissions changed (their size or their rows), or the first time
+on a database, Django's own flush runs (with `post_migrate`), and the sizes are recorded
+after it. A VACUUM (its free-space and visibility maps) changes a size too: such a table is
+truncated although empty, as Django's flush would.
 """
 
 from __future__ import annotations
@@ -25,28 +27,35 @@ from psycopg import sql
 REFILLED = frozenset({"django_content_type", "auth_permission"})
 
 _django_teardown = TransactionTestCase._fixture_teardown
-# Per database alias: each model table's total size in bytes right after its last truncate.
-_sizes: dict[str, dict[str, int]] = {}
+# Per database alias: each model table's state (`_table_states`) right after the last cleanup.
+_states: dict[str, dict[str, str]] = {}
 
 
-def _table_sizes(alias: str) -> dict[str, int]:
+def _table_states(alias: str) -> dict[str, str]:
+    """Each model table's total size in bytes; for the two refilled tables, a digest of
+    their rows too (a row updated or deleted in place leaves the size as it was)."""
     connection = connections[alias]
     tables = connection.introspection.django_table_names(only_existing=True, include_views=False)
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT t, pg_total_relation_size(quote_ident(t)::regclass)"
-            " FROM unnest(%s::text[]) AS t",
+            "SELECT t, pg_total_relation_size(quote_ident(t)::regclass) FROM unnest(%s::text[]) t",
             [sorted(tables)],
         )
-        return {name: int(size) for name, size in cursor.fetchall()}
+        states = {name: str(size) for name, size in cursor.fetchall()}
+        cursor.execute(
+            "SELECT (SELECT md5(string_agg(c::text, ',' ORDER BY c.id)) FROM django_content_type c),"
+            " (SELECT md5(string_agg(p::text, ',' ORDER BY p.id)) FROM auth_permission p)"
+        )
+        contents, permissions = cursor.fetchone()
+    states["django_content_type"] += f" {contents}"
+    states["auth_permission"] += f" {permissions}"
+    return states
 
 
 def _flush(test_case: TransactionTestCase, alias: str) -> None:
-    sizes = _table_sizes(alias)
-    recorded = _sizes.get(alias)
-    written = (
-        None if recorded is None else [t for t, size in sizes.items() if recorded.get(t) != size]
-    )
+    states = _table_states(alias)
+    recorded = _states.get(alias)
+    written = None if recorded is None else [t for t, st in states.items() if recorded.get(t) != st]
     if written is None or REFILLED.intersection(written):
         # Django's flush, as TransactionTestCase runs it (no narrowed apps here).
         call_command(
@@ -67,14 +76,14 @@ def _flush(test_case: TransactionTestCase, alias: str) -> None:
             cursor.execute(statement)
     else:
         return
-    _sizes[alias] = _table_sizes(alias)
+    _states[alias] = _table_states(alias)
 
 
 def fixture_teardown(self: TransactionTestCase) -> None:
     """`TransactionTestCase._fixture_teardown` truncating only what changed (above);
     Django's own where a test narrows the apps or restores serialized data."""
     if self.available_apps is not None or self.serialized_rollback:
-        _sizes.clear()
+        _states.clear()
         _django_teardown(self)
         return
     for alias in self._databases_names(include_mirrors=False):
