@@ -5,13 +5,33 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from django.db import connection
 
+from tests.support import flush
+from tests.support.connectors import drop_scratch_databases, no_commit_wait
 from tests.support.gates import Holders
 from tests.support.mariadb import MyDB, scratch, start_server
 from tests.support.processes import Processes
 from tools.mariadb import MariaDB
+
+# After each transactional test, truncate only the tables it wrote (tests/support/flush.py).
+flush.install()
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> None:
+    """pytest-django's test database, whose commits do not wait for the WAL flush
+    (`no_commit_wait`)."""
+    with django_db_blocker.unblock():
+        no_commit_wait(connection.settings_dict["NAME"])
+        connection.close()  # the next connection takes the database's setting
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    drop_scratch_databases()  # the scratch databases tests reused (tests/support/connectors.py)
 
 
 @pytest.fixture

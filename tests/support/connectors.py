@@ -4,6 +4,7 @@ transfer context, and a transfer driven the way the runner drives it."""
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -55,6 +56,23 @@ def connect(dbname: str, *, autocommit: bool = True) -> psycopg.Connection[Any]:
     )
 
 
+def no_commit_wait(name: str) -> None:
+    """Sessions of database `name` commit without waiting for the WAL flush
+    (`synchronous_commit = off`): what a commit makes visible, and when, is unchanged; only
+    a crash of the server itself could lose the last commits, and no test crashes the
+    shared server. Most of the suite's transactions write, and on a busy disk each flush
+    costs milliseconds."""
+    admin = connect("postgres")
+    try:
+        admin.execute(
+            psycopg.sql.SQL("ALTER DATABASE {} SET synchronous_commit = off").format(
+                psycopg.sql.Identifier(name)
+            )
+        )
+    finally:
+        admin.close()
+
+
 def recreate_database(name: str) -> None:
     admin = connect("postgres")
     try:
@@ -66,6 +84,108 @@ def recreate_database(name: str) -> None:
         admin.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
     finally:
         admin.close()
+    no_commit_wait(name)
+
+
+# Whatever CREATE DATABASE (from template1) makes, beyond the public schema, that a reset
+# would have to undo: when a test left any of these, the database is dropped and made again.
+_RESET_OBSTACLES = """
+SELECT (SELECT count(*) FROM pg_extension WHERE extname <> 'plpgsql')
+     + (SELECT count(*) FROM pg_event_trigger)
+     + (SELECT count(*) FROM pg_publication)
+     + (SELECT count(*) FROM pg_largeobject_metadata)
+     + (SELECT count(*) FROM pg_foreign_server)
+     + (SELECT count(*) FROM pg_foreign_data_wrapper)
+     + (SELECT count(*) FROM pg_default_acl)
+     + (SELECT count(*) FROM pg_prepared_xacts)
+     + (SELECT count(*) FROM pg_database
+        WHERE datname = current_database()
+          AND (datacl IS NOT NULL OR datdba <> (SELECT datdba FROM pg_database
+                                                WHERE datname = 'template1')))
+"""
+
+# Scratch databases made in this session. A test asking for a name made before gets that
+# database emptied (`reset_database`), not dropped and made again: a DROP DATABASE makes the
+# server checkpoint at once (every dirty buffer of every database written and synced),
+# seconds on a busy disk, hundreds of times a suite. All are dropped at the session's end
+# (`drop_scratch_databases`, from tests/conftest.py).
+_scratch: set[str] = set()
+
+
+def end_sessions(name: str) -> None:
+    """Terminate every session on database `name` (a test's leftovers: a killed worker's,
+    a lock holder's) and wait until they are gone."""
+    admin = connect("postgres")
+    try:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = %s AND pid <> pg_backend_pid()",
+            [name],
+        )
+        deadline = time.monotonic() + 30
+        while admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s", [name]
+        ).fetchone() != (0,):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"sessions on {name} outlived their termination")
+            time.sleep(0.02)
+    finally:
+        admin.close()
+
+
+def reset_database(name: str) -> None:
+    """Scratch database `name` as CREATE DATABASE made it: no session on it (a killed
+    worker's is terminated), no database or per-role setting, no schema but an empty
+    `public` as template1 has it (owner, privileges, comment), fresh statistics. Anything
+    else a test may have added (see _RESET_OBSTACLES) makes it drop and create instead."""
+    end_sessions(name)
+    admin = connect("postgres")
+    try:
+        db = psycopg.sql.Identifier(name)
+        admin.execute(psycopg.sql.SQL("ALTER DATABASE {} RESET ALL").format(db))
+        roles = admin.execute(
+            "SELECT r.rolname FROM pg_db_role_setting s JOIN pg_roles r ON r.oid = s.setrole"
+            " JOIN pg_database d ON d.oid = s.setdatabase WHERE d.datname = %s",
+            [name],
+        ).fetchall()
+        for (role,) in roles:
+            admin.execute(
+                psycopg.sql.SQL("ALTER ROLE {} IN DATABASE {} RESET ALL").format(
+                    psycopg.sql.Identifier(role), db
+                )
+            )
+    finally:
+        admin.close()
+    no_commit_wait(name)
+    with connect(name) as conn:
+        if conn.execute(_RESET_OBSTACLES).fetchone() != (0,):
+            conn.close()
+            recreate_database(name)
+            return
+        schemas = [
+            psycopg.sql.Identifier(row[0])
+            for row in conn.execute(
+                "SELECT nspname FROM pg_namespace"
+                " WHERE nspname !~ '^pg_' AND nspname <> 'information_schema'"
+            )
+        ]
+        with conn.transaction():
+            if schemas:
+                conn.execute(
+                    psycopg.sql.SQL("DROP SCHEMA {} CASCADE").format(
+                        psycopg.sql.SQL(", ").join(schemas)
+                    )
+                )
+            conn.execute("CREATE SCHEMA public AUTHORIZATION pg_database_owner")
+            conn.execute("GRANT USAGE ON SCHEMA public TO PUBLIC")
+            conn.execute("COMMENT ON SCHEMA public IS 'standard public schema'")
+        conn.execute("SELECT pg_stat_reset()")
+
+
+def drop_scratch_databases() -> None:
+    """The end of the session: every scratch database it made, dropped."""
+    while _scratch:
+        drop_database(_scratch.pop())
 
 
 def drop_database(name: str) -> None:
@@ -95,12 +215,17 @@ class ScratchDB:
 
 
 def scratch_db(name: str) -> Iterator[ScratchDB]:
-    """A fresh database for one test (the body of a fixture), dropped afterwards. Its name
+    """A fresh database for one test (the body of a fixture): made, or emptied if this
+    session made it before (`reset_database`); its sessions are ended afterwards. Its name
     carries the test database's, so two checkouts testing on one server never share it."""
     name = f"{name}_{connection.settings_dict['NAME']}"[:63]
-    recreate_database(name)
+    if name in _scratch:
+        reset_database(name)
+    else:
+        recreate_database(name)
+        _scratch.add(name)
     yield ScratchDB(name)
-    drop_database(name)
+    end_sessions(name)
 
 
 @dataclass
