@@ -277,7 +277,9 @@ class WorkerDispatchCoordinator(Admission, Heartbeat, ListenHandover):
         for execution in running:
             execution.control.stop(StopCause.RELEASED)
             c = execution.claimed
-            events, lost = execution.control.events.take()
+            # A heartbeat still writing this execution's events ends first (its events
+            # are written, or put back and taken here), as at a settlement.
+            events, lost = execution.control.events.take(wait=conf.coordination_timeout() or 10.0)
             try:
                 status = claims.settle(
                     c.attempt_id,

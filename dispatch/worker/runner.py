@@ -48,6 +48,8 @@ from dispatch.worker.log import db_error, where
 log = logging.getLogger("dispatch.runner")
 
 MAX_ERROR_CHARS = 4000
+# A text value of an event's data (a server's version string, a table's name).
+MAX_EVENT_VALUE_CHARS = 200
 
 
 class StopCause(enum.Enum):
@@ -250,7 +252,15 @@ class Context:
             # its server's version; the runner says which side and kind it is.
             self.connected.add(str(data.get("side")))
             message = connected_message(self.control.claimed, data)
-        self.control.events.record(kind, sanitize(message, self.secrets), **data)
+        # The data's text comes from connectors and from servers (a version string is
+        # what the server says): sanitized as the message is, and cut short.
+        clean = {
+            key: sanitize(value, self.secrets)[:MAX_EVENT_VALUE_CHARS]
+            if isinstance(value, str)
+            else value
+            for key, value in data.items()
+        }
+        self.control.events.record(kind, sanitize(message, self.secrets), **clean)
 
     def moved(self, nbytes: int) -> None:
         """COPY bytes handed to the sink (a progress event's bytes)."""
@@ -502,7 +512,15 @@ class Runner:
 
     def _record(self, kind: str, message: str, **data: Any) -> None:
         """An event for the attempt's log, its message cleaned as a stored error is."""
-        self.control.events.record(kind, sanitize(message, self.secrets), **data)
+        # The data's text comes from connectors and from servers (a version string is
+        # what the server says): sanitized as the message is, and cut short.
+        clean = {
+            key: sanitize(value, self.secrets)[:MAX_EVENT_VALUE_CHARS]
+            if isinstance(value, str)
+            else value
+            for key, value in data.items()
+        }
+        self.control.events.record(kind, sanitize(message, self.secrets), **clean)
 
     def _error_event(self, exc: BaseException) -> None:
         """An error for the attempt's log, with its class (the settlement's error event

@@ -147,6 +147,28 @@ def test_events__a_secret_in_an_error_never_reaches_the_log():
     assert attempts_of(Attempt.objects.get(pk=c.attempt_id).run)[1].status == Status.PENDING
 
 
+def test_events__what_a_server_says_in_an_events_data_is_sanitized_and_cut():
+    """An event's data carries text from connectors and servers (a version string that a
+    hostile server chooses): secrets stripped as in messages, and cut to its bound."""
+    from dispatch.worker.runner import MAX_EVENT_VALUE_CHARS, Context
+
+    trigger(BindingFactory())
+    control = ExecutionControl(claim_one())
+    ctx = Context(control, ["hunter2-secret"])
+    ctx.event(
+        "connected",
+        "",
+        side="source",
+        server_version="16.4 hunter2-secret " + "x" * 5000,
+        rows=3,
+    )
+    events, _ = control.events.take()
+    (_, kind, message, data) = events[0]
+    assert kind == "connected" and "hunter2" not in message
+    assert "hunter2" not in data["server_version"] and "********" in data["server_version"]
+    assert len(data["server_version"]) == MAX_EVENT_VALUE_CHARS and data["rows"] == 3
+
+
 @dataclass
 class EventCtx(Ctx):
     """A connector context that keeps the events a connector notes, as the runner's does."""
