@@ -41,6 +41,7 @@ CHECK_IDS: dict[str, str] = {
     "dispatch.E021": "DISPATCH_EXTERNAL_LOG_URL is not an http(s) URL template whose only "
     "placeholder is {run_id}, or DISPATCH_EVENTS_PER_ATTEMPT is not a whole number within its "
     "bounds",
+    "dispatch.E022": "a bulk operation setting is not a number within its bounds",
     "dispatch.W001": "DISPATCH_HEALTH_SCAN_LAG is shorter than DISPATCH_COORDINATION_TIMEOUT",
     "dispatch.W002": "stored alert addresses of bindings are outside DISPATCH_ALERT_EMAIL_DOMAINS",
     "dispatch.W003": "another app's command of the same name wins over runworker, trigger, ...",
@@ -129,6 +130,38 @@ TIME_SETTINGS = (
     ("DISPATCH_EVENT_PROGRESS_SECONDS", 1.0, 86_400.0, 30.0),
     ("DISPATCH_EVENT_LOCK_WAIT_SECONDS", 0.0, 3_600.0, 1.0),
 )
+
+# The bulk operations' settings: (name, minimum, maximum, default, whole number).
+BULK_SETTINGS = (
+    ("DISPATCH_BULK_BATCH", 1, 10_000, 200, True),
+    ("DISPATCH_BULK_BUDGET", 0.1, 3_600.0, 5.0, False),
+    ("DISPATCH_BULK_INTERVAL", 0.1, 86_400.0, 30.0, False),
+    ("DISPATCH_BULK_RETENTION_DAYS", 1.0, 36_500.0, 90.0, False),
+)
+
+
+@register()
+def check_bulk_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """dispatch.E022: a bulk operation setting that is not a number within its bounds (a
+    batch of 0 rows would never end its operation)."""
+    errors = []
+    for name, low, high, default, whole in BULK_SETTINGS:
+        value = getattr(settings, name, default)
+        number = (
+            value
+            if isinstance(value, int | float) and not isinstance(value, bool)
+            else float("nan")
+        )
+        if (whole and not isinstance(value, int)) or not low <= number <= high:
+            kind = "a whole number" if whole else "a number"
+            errors.append(
+                Error(
+                    f"{name} is {value!r}; it must be {kind} from {low:g} to {high:g}.",
+                    id="dispatch.E022",
+                )
+            )
+    return errors
+
 
 # The HTTP API's whole-number settings: (name, minimum, maximum, default).
 API_SETTINGS = (

@@ -430,3 +430,25 @@ def test_bulk_retry__a_row_the_database_refuses_is_skipped_and_the_rest_go_on() 
     assert "LockNotAvailable" in skip.message and "postgres" not in skip.message.lower()
     assert Run.objects.get(pk=held.pk).status == Status.FAILED
     assert Run.objects.filter(binding=binding, status=Status.PENDING).count() == 3
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("DISPATCH_BULK_BATCH", 0),  # a batch of none would never end its operation
+        ("DISPATCH_BULK_BATCH", 2.5),
+        ("DISPATCH_BULK_BATCH", True),
+        ("DISPATCH_BULK_BUDGET", -1),
+        ("DISPATCH_BULK_INTERVAL", "30"),
+        ("DISPATCH_BULK_RETENTION_DAYS", 0),
+    ],
+)
+def test_e022__a_bulk_setting_out_of_its_bounds_is_named(setting: str, value: Any) -> None:
+    from django.test import override_settings
+
+    from dispatch import checks
+
+    assert checks.check_bulk_settings() == []
+    with override_settings(**{setting: value}):
+        (error,) = checks.check_bulk_settings()
+    assert error.id == "dispatch.E022" and setting in error.msg and repr(value) in error.msg
