@@ -22,7 +22,7 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import DatabaseError, connection, transaction
-from django.db.models import Count, Exists, Max, OuterRef, Q, Subquery
+from django.db.models import Count, Exists, Max, OuterRef, Q
 from django.db.models.functions import Now
 
 from dispatch import signals
@@ -664,41 +664,27 @@ def retry_run(run: Run | uuid.UUID | str, *, by: Any = None) -> Outcome:
         woken = _retrying(sliced)
         log.info("sliced run retried run=%s slices=%d by=%s", run_id, len(woken), _who(by))
         return Outcome.RETRIED
-    with transaction.atomic():
-        # The run locked with what the retry decides on, in one statement: its last
-        # attempt's number, whether an attempt is live and whether it has been sliced since
-        # the look above (nothing is refused on an unlocked read: the run's lock orders
-        # every change of its attempts).
-        attempts = Attempt.objects.filter(run_id=OuterRef("pk"))
-        locked = (
-            Run.objects.select_for_update(of=("self",))
-            .annotate(
-                last=Subquery(
-                    attempts.order_by().values("run_id").annotate(n=Max("number")).values("n")
-                ),
-                live=Exists(attempts.filter(status__in=LIVE_STATUSES)),
-                sliced=Exists(SlicePlan.objects.filter(run_id=OuterRef("pk"))),
-            )
-            .get(pk=run_id)
-        )
-        if locked.live or locked.status not in RETRYABLE_RUN_STATUSES:
+    with transaction.atomic(), connection.cursor() as cursor:
+        # One statement (named `retry_run`): the run locked with what the retry decides on
+        # (nothing is refused on an unlocked read: the run's lock orders every change of
+        # its attempts), and the attempt added only if nothing refuses it.
+        cursor.execute(sqlfiles.query("retry_run"), {"run": run_id})
+        row = cursor.fetchone()
+        if row is None:
+            raise Run.DoesNotExist(f"Run {run_id} does not exist.")
+        status, live, sliced_now, number, moved = row
+        if live or status not in RETRYABLE_RUN_STATUSES:
             raise ActionRefused(
                 "NOT_RETRYABLE",
-                f"Run {locked.pk} is {locked.status}; only FAILED or CANCELLED runs can be retried.",
+                f"Run {run_id} is {status}; only FAILED or CANCELLED runs can be retried.",
             )
-        if locked.sliced:
+        if sliced_now:
             # Planned, then ended, since the look above: another planning attempt would
             # find its plan written; the sliced retry locks the slices first.
             raise ActionRefused("BUSY", f"Run {run_id} has just been sliced; try again.")
-        number = (locked.last or 0) + 1
-        Attempt.objects.create(
-            run=locked, number=number, origin=Origin.OPERATOR, status=Status.PENDING
-        )
-        Run.objects.filter(pk=locked.pk).update(
-            status=Status.PENDING, finished_at=None, cancel_requested_at=None
-        )
-        _notify_on_commit(locked.pk)
-    log.info("run retried run=%s attempt=%s by=%s", locked.pk, number, _who(by))
+        assert number is not None and moved == 1, (number, moved)
+        _notify_on_commit(run_id)
+    log.info("run retried run=%s attempt=%s by=%s", run_id, number, _who(by))
     return Outcome.RETRIED
 
 

@@ -203,3 +203,36 @@ SELECT dispatch_chain_fire(%(run)s::uuid, %(status)s, clock_timestamp());
 -- other (the table trigger dispatch_bindingedge_no_cycle takes the same lock; taking it
 -- first means no transaction upgrades its lock while another waits for it).
 SELECT dispatch_lock_edges();
+
+-- name: retry_run
+-- An operator's retry of a run that is not sliced (services.retry_run), in one statement:
+-- the run locked with what the retry decides on (its last attempt's number, a live
+-- attempt, a slice plan written since the caller looked), then, only if the run is FAILED
+-- or CANCELLED with nothing live and no plan, a PENDING OPERATOR attempt and the run back
+-- to PENDING. The caller reads why nothing was added from the first columns.
+WITH locked AS (
+    SELECT r.id, r.status,
+           EXISTS (SELECT 1 FROM dispatch_sliceplan p WHERE p.run_id = r.id) AS sliced,
+           EXISTS (SELECT 1 FROM dispatch_attempt a
+                    WHERE a.run_id = r.id AND a.status IN ('PENDING', 'RUNNING')) AS live,
+           (SELECT max(a.number) FROM dispatch_attempt a WHERE a.run_id = r.id) AS last
+      FROM dispatch_run r
+     WHERE r.id = %(run)s
+       FOR UPDATE OF r
+), added AS (
+    INSERT INTO dispatch_attempt (id, run_id, number, origin, status, error, rows_read,
+                                  rows_written)
+    SELECT gen_random_uuid(), l.id, coalesce(l.last, 0) + 1, 'OPERATOR', 'PENDING', '', 0, 0
+      FROM locked l
+     WHERE l.status IN ('FAILED', 'CANCELLED') AND NOT l.live AND NOT l.sliced
+    RETURNING run_id, number
+), moved AS (
+    UPDATE dispatch_run r
+       SET status = 'PENDING', finished_at = NULL, cancel_requested_at = NULL
+      FROM added
+     WHERE r.id = added.run_id
+    RETURNING r.id
+)
+SELECT l.status, l.live, l.sliced, (SELECT a.number FROM added a),
+       (SELECT count(*) FROM moved)
+  FROM locked l;

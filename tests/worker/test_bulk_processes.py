@@ -39,8 +39,12 @@ def test_bulk_retry__survives_a_worker_killed_halfway_each_run_retried_once(
     assert op.total == RUNS
 
     # The health scan's budget is half its interval: short turns beside the batches.
+    # A long budget: batches back to back, not a second's pause after every five.
     env = worker_env(
-        DISPATCH_BULK_BATCH=str(BATCH), DISPATCH_BULK_INTERVAL="0.2", DISPATCH_HEALTH_INTERVAL="1"
+        DISPATCH_BULK_BATCH=str(BATCH),
+        DISPATCH_BULK_INTERVAL="0.2",
+        DISPATCH_BULK_BUDGET="60",
+        DISPATCH_HEALTH_INTERVAL="1",
     )
     first = processes.worker("--worker-id", "bulk-a", "--no-scheduler", env=env)
     wait_until(

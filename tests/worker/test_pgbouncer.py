@@ -25,6 +25,7 @@ from dispatch.core.states import Status
 from dispatch.models import Attempt, Worker
 from dispatch.worker.listen import probe_report
 from tests.support.factories import BindingFactory, trigger
+from tests.support.gates import Holders
 from tests.support.processes import Processes, test_database_url, wait_until
 from tests.worker import test_fencing, test_worker
 from tests.worker.test_fencing import dst_db  # noqa: F401 - fixture
@@ -102,8 +103,11 @@ def test_pooled__sigterm_drains_releases_and_another_worker_takes_over(
 def test_pooled__exactly_once_when_killed_between_sink_commit_and_outcome(
     dst_db: test_fencing.ScratchDB,  # noqa: F811 - the fixture imported above
     processes: Processes,
+    holders: Holders,
 ) -> None:
-    test_fencing.test_exactly_once__worker_killed_between_sink_commit_and_outcome(dst_db, processes)
+    test_fencing.test_exactly_once__worker_killed_between_sink_commit_and_outcome(
+        dst_db, processes, holders
+    )
 
 
 def test_listen_url_at_the_pooler__reported_and_runs_complete_by_polling(
