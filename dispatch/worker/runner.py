@@ -221,6 +221,19 @@ def connected_message(claimed: ClaimedAttempt, data: dict[str, Any]) -> str:
     return f"connected to the {side} ({kind}" + (f", server {version})" if version else ")")
 
 
+def record_event(
+    control: ExecutionControl, secrets: list[str], kind: str, message: str, data: dict[str, Any]
+) -> None:
+    """Keep an event for the attempt's log. Its message and its data's text come from
+    connectors and from servers (a version string is what the server says): sanitized as
+    a stored error is, each text value cut to MAX_EVENT_VALUE_CHARS."""
+    clean = {
+        key: sanitize(value, secrets)[:MAX_EVENT_VALUE_CHARS] if isinstance(value, str) else value
+        for key, value in data.items()
+    }
+    control.events.record(kind, sanitize(message, secrets), **clean)
+
+
 class Context:
     """The `TransferContext` handed to connectors."""
 
@@ -252,15 +265,7 @@ class Context:
             # its server's version; the runner says which side and kind it is.
             self.connected.add(str(data.get("side")))
             message = connected_message(self.control.claimed, data)
-        # The data's text comes from connectors and from servers (a version string is
-        # what the server says): sanitized as the message is, and cut short.
-        clean = {
-            key: sanitize(value, self.secrets)[:MAX_EVENT_VALUE_CHARS]
-            if isinstance(value, str)
-            else value
-            for key, value in data.items()
-        }
-        self.control.events.record(kind, sanitize(message, self.secrets), **clean)
+        record_event(self.control, self.secrets, kind, message, data)
 
     def moved(self, nbytes: int) -> None:
         """COPY bytes handed to the sink (a progress event's bytes)."""
@@ -512,15 +517,7 @@ class Runner:
 
     def _record(self, kind: str, message: str, **data: Any) -> None:
         """An event for the attempt's log, its message cleaned as a stored error is."""
-        # The data's text comes from connectors and from servers (a version string is
-        # what the server says): sanitized as the message is, and cut short.
-        clean = {
-            key: sanitize(value, self.secrets)[:MAX_EVENT_VALUE_CHARS]
-            if isinstance(value, str)
-            else value
-            for key, value in data.items()
-        }
-        self.control.events.record(kind, sanitize(message, self.secrets), **clean)
+        record_event(self.control, self.secrets, kind, message, data)
 
     def _error_event(self, exc: BaseException) -> None:
         """An error for the attempt's log, with its class (the settlement's error event
