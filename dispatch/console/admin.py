@@ -45,7 +45,7 @@ from django.utils.safestring import SafeString
 from django.utils.timezone import is_aware, localtime
 from django.views.decorators.debug import sensitive_post_parameters
 
-from dispatch import services
+from dispatch import checks, services
 from dispatch.connectors import incremental
 from dispatch.connectors.base import ConnectorError
 from dispatch.connectors.postgresql.schema_policy import describe_changes
@@ -1056,9 +1056,13 @@ class AttemptInline(admin.TabularInline):  # type: ignore[type-arg]
 
 def external_log_link(run_id: Any) -> str:
     """The run's page in the external log system (DISPATCH_EXTERNAL_LOG_URL with the
-    run's id; `dispatch.E0xx` checks the template); "" when none is set."""
+    run's id); "" when none is set, or when the template is one `dispatch.E021` refuses
+    (system checks do not run under every server: an attribute or a format spec in it
+    is never evaluated)."""
     template = conf.external_log_url()
-    return template.format(run_id=run_id) if template else ""
+    if not template or checks.external_log_url_problem(template):
+        return ""
+    return template.format(run_id=str(run_id))
 
 
 def receipt_text(attempt: Attempt | None) -> str:

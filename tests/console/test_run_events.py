@@ -70,6 +70,13 @@ def test_run_page__shows_the_events_beside_the_attempts_and_what_was_dropped(
     with override_settings(DISPATCH_EXTERNAL_LOG_URL="https://logs.example.com/q?run={run_id}"):
         page = admin_client.get(url).content.decode()
     assert f'href="https://logs.example.com/q?run={run.pk}"' in page
+    # A template E021 refuses is never evaluated at render (checks do not run under every
+    # server): no link, and no error.
+    leaky = "https://logs.example.com/{run_id.__class__.__name__}"
+    with override_settings(DISPATCH_EXTERNAL_LOG_URL=leaky):
+        response = admin_client.get(url)
+    assert response.status_code == 200
+    assert 'id="dsp-external-log"' not in response.content.decode()
 
 
 def test_api_and_runs_show__return_the_events(admin_client: Client) -> None:
