@@ -188,25 +188,7 @@ def section(server: str, *, rows: int, small: int, mid: int, rounds: int, argv: 
         "Raw: `mariadb --batch --skip-column-names -e 'SELECT ...' | psql -c 'COPY ... FROM "
         f"STDIN'`. {rounds} alternated rounds; seconds as median (min-max)."
     )
-    report.add(
-        common.table(
-            ["case", "worker s", "raw s", "raw / worker"],
-            [
-                [
-                    "mariadb -> postgresql",
-                    common.Spread(w).fmt(3),
-                    common.Spread(res["raw"]).fmt(3),
-                    ratio.fmt(),
-                ]
-            ],
-        )  # fmt: skip
-    )
-    report.add(
-        "Peak RSS (VmHWM) of a fresh worker after one run: "
-        + ", ".join(f"{m:.1f} MiB at {n:,} rows" for n, m in rss)
-        + f"; largest / smallest **{flat:.2f}** (flat: {common.verdict(flat <= 1.25)})."
-    )
-    report.emit(doc=doc)
+    _finish(report, "mariadb -> postgresql", w, res["raw"], ratio, rss, flat, doc)
 
 
 # PostgreSQL's text COPY of bench copy's rows in the form LOAD DATA reads into MY_COLUMNS
@@ -354,18 +336,18 @@ def sink_section(server: str, *, rows: int, small: int, mid: int, rounds: int, a
         f"{rounds} alternated rounds; seconds as median (min-max). The seconds depend on "
         "the machine's load (it is shared); the peak RSS does not."
     )
+    _finish(report, "postgresql -> mariadb", w, res["raw"], ratio, rss, flat, doc)
+
+
+def _finish(
+    report: Any, case: str, worker: Any, raw: Any, ratio: Any, rss: Any, flat: float, doc: Any
+) -> None:
+    """The table of one direction's seconds, its peak RSS line, and the report written."""
     report.add(
         common.table(
             ["case", "worker s", "raw s", "raw / worker"],
-            [
-                [
-                    "postgresql -> mariadb",
-                    common.Spread(w).fmt(3),
-                    common.Spread(res["raw"]).fmt(3),
-                    ratio.fmt(),
-                ]
-            ],
-        )  # fmt: skip
+            [[case, common.Spread(worker).fmt(3), common.Spread(raw).fmt(3), ratio.fmt()]],
+        )
     )
     report.add(
         "Peak RSS (VmHWM) of a fresh worker after one run: "
